@@ -1,0 +1,35 @@
+"""``hopperkern.tma``: the one layer that knows about hardware, Triton versions and TMA.
+
+Host side: :func:`capability`, :func:`tma_not_supported_reasons`, :func:`decide` (per-operand TMA choice for
+``tma="auto"|"always"|"never"``, overridden by ``HOPPERKERN_TMA`` at call time), descriptor factories and the
+allocator for device-side descriptors. Device side (``hopperkern.tma.jit``): load/store helpers that take a
+pointer or a descriptor and switch on a constexpr, so every kernel keeps one body for both memory paths.
+"""
+
+from .capability import Capability, UnsupportedError, capability, interpreter_active, normalize_device_name
+from .descriptors import (
+    TMA_MODES,
+    TmaDecision,
+    decide,
+    ensure_allocator,
+    last_decision,
+    make_descriptor,
+    resolve_mode,
+    tma_not_supported_reasons,
+)
+
+__all__ = [
+    "TMA_MODES",
+    "Capability",
+    "TmaDecision",
+    "UnsupportedError",
+    "capability",
+    "decide",
+    "ensure_allocator",
+    "interpreter_active",
+    "last_decision",
+    "make_descriptor",
+    "normalize_device_name",
+    "resolve_mode",
+    "tma_not_supported_reasons",
+]

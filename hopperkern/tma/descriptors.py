@@ -1,0 +1,177 @@
+"""Host side of the TMA layer: operand eligibility, mode resolution, descriptor factories, allocator.
+
+Launchers call :func:`decide` once per launch with every operand that could go through TMA and its block
+shape; the answer says, per operand, whether the kernel gets a tensor descriptor (``USE_TMA`` constexpr True)
+or plain pointer loads. ``tma="always"`` turns an ineligible operand into an :class:`UnsupportedError` that
+lists the reasons. The last decision per op is kept for tests and for ``python -m hopperkern.info``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from .capability import UnsupportedError, capability, interpreter_active
+
+__all__ = [
+    "TMA_MODES",
+    "TmaDecision",
+    "decide",
+    "ensure_allocator",
+    "last_decision",
+    "make_descriptor",
+    "resolve_mode",
+    "tma_not_supported_reasons",
+]
+
+TMA_MODES = ("auto", "always", "never")
+_MAX_BOX = 256  # TMA box extent limit per dimension (elements)
+
+
+def resolve_mode(mode: str) -> str:
+    """The effective TMA mode: ``HOPPERKERN_TMA`` (read now, at call time) overrides ``mode``."""
+    if not isinstance(mode, str) or mode not in TMA_MODES:
+        raise ValueError(f"tma must be one of {TMA_MODES}, got {mode!r}")
+    env = os.environ.get("HOPPERKERN_TMA")
+    if env is not None and env != "":
+        if env not in TMA_MODES:
+            raise ValueError(f"HOPPERKERN_TMA must be one of {TMA_MODES}, got {env!r}")
+        return env
+    return mode
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def tma_not_supported_reasons(t, block_shape: Sequence[int]) -> list[str]:
+    """Why ``t`` cannot be read/written through a TMA descriptor with boxes of ``block_shape``.
+
+    Returns a list of sentences; ``[]`` means TMA can be used for ``t`` on this machine.
+    """
+    reasons: list[str] = []
+    cap = capability(t.device if getattr(t, "is_cuda", False) else None)
+    if not cap.interpreter:
+        if not getattr(t, "is_cuda", False):
+            reasons.append(f"tensor is on {t.device}, not on a CUDA device")
+        elif not cap.tma:
+            reasons.extend(cap.reasons)
+    nd = t.dim()
+    block_shape = tuple(int(b) for b in block_shape)
+    if not 2 <= nd <= 5:
+        reasons.append(f"tensor has {nd} dims; device-side TMA descriptors need 2 to 5")
+    if len(block_shape) != nd:
+        reasons.append(f"block shape {block_shape} has {len(block_shape)} dims, tensor has {nd}")
+    es = t.element_size()
+    if es not in (1, 2, 4, 8):
+        reasons.append(f"element size {es} bytes is not 1, 2, 4 or 8")
+    for i, b in enumerate(block_shape):
+        if not _is_pow2(b) or b > _MAX_BOX:
+            reasons.append(f"block dim {i} = {b} must be a power of two <= {_MAX_BOX}")
+    if block_shape and (block_shape[-1] * es) % 16 != 0:
+        reasons.append(f"block inner extent {block_shape[-1]} x {es} bytes is not a multiple of 16 bytes")
+    if nd >= 1:
+        if any(s == 0 for s in t.shape):
+            reasons.append(f"tensor has a zero-size dim (shape {tuple(t.shape)})")
+        if t.stride(-1) != 1:
+            reasons.append(f"last stride is {t.stride(-1)}, must be 1 (inner dim contiguous)")
+        for d in range(nd - 1):
+            if (t.stride(d) * es) % 16 != 0:
+                reasons.append(f"stride({d})={t.stride(d) * es} bytes is not a multiple of 16")
+        if any(s >= 2**32 for s in t.shape):
+            reasons.append(f"a dim of shape {tuple(t.shape)} is >= 2**32")
+    if t.data_ptr() % 16 != 0:
+        reasons.append(f"base address {t.data_ptr():#x} is not 16-byte aligned")
+    return reasons
+
+
+@dataclass(frozen=True)
+class TmaDecision:
+    """Which operands of one launch go through TMA, and why the others do not."""
+
+    op: str
+    mode: str
+    use: Mapping[str, bool]
+    reasons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> bool:
+        return self.use[name]
+
+    @property
+    def any(self) -> bool:
+        return any(self.use.values())
+
+
+_LAST: dict[str, TmaDecision] = {}
+
+
+def decide(mode: str, operands: Mapping[str, tuple[object, Sequence[int]]], *, op: str) -> TmaDecision:
+    """Decide TMA per operand for one launch of ``op``.
+
+    ``operands`` maps a name to ``(tensor, block_shape)``. ``"never"``: all pointer loads. ``"auto"``: TMA
+    for each eligible operand. ``"always"``: TMA for all, or :class:`UnsupportedError` listing the reasons.
+    """
+    m = resolve_mode(mode)
+    if m == "never":
+        d = TmaDecision(op, m, {k: False for k in operands}, {k: ("tma='never'",) for k in operands})
+    else:
+        why = {k: tuple(tma_not_supported_reasons(t, b)) for k, (t, b) in operands.items()}
+        if m == "always" and any(why.values()):
+            lines = [f"{k}: {r}" for k, rs in why.items() for r in rs]
+            raise UnsupportedError(f"{op}: tma='always' was asked for, but TMA cannot be used", lines)
+        d = TmaDecision(op, m, {k: not rs for k, rs in why.items()}, why)
+    if any(d.use.values()):
+        ensure_allocator()
+    _LAST[op] = d
+    return d
+
+
+def last_decision(op: str) -> TmaDecision | None:
+    """The TMA decision of the most recent launch of ``op`` in this process (for tests and reports)."""
+    return _LAST.get(op)
+
+
+def _torch_allocator(size: int, alignment: int, stream):
+    import torch
+
+    # Scratch for device-side descriptors (128 bytes per program); the caching allocator keeps it cheap and
+    # capture-safe under CUDA graphs.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_ALLOC_SET = threading.local()
+
+
+def ensure_allocator() -> None:
+    """Install a global-memory allocator for device-side tensor descriptors in THIS thread.
+
+    triton >= 3.5 keeps the allocator in a context variable, so a worker thread starts with none
+    ("no allocator was set"); every launcher calls this on its own thread. A user's own allocator is kept.
+    The interpreter needs none.
+    """
+    if interpreter_active() or getattr(_ALLOC_SET, "done", False):
+        return
+    import triton
+
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            _ALLOC_SET.done = True
+            return
+    except Exception:  # layout of triton's private module changed: install ours unconditionally
+        pass
+    triton.set_allocator(_torch_allocator)
+    _ALLOC_SET.done = True
+
+
+def make_descriptor(t, block_shape: Sequence[int]):
+    """A host-side ``TensorDescriptor`` over ``t`` with boxes of ``block_shape``, or UnsupportedError."""
+    reasons = tma_not_supported_reasons(t, block_shape)
+    if reasons:
+        raise UnsupportedError("cannot build a TMA descriptor", reasons)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [int(b) for b in block_shape])

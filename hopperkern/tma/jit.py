@@ -1,0 +1,98 @@
+"""Device side of the TMA layer: tiny ``@triton.jit`` helpers that read or write a tile either through a
+tensor descriptor or through masked pointer loads, switched by a ``USE_TMA`` constexpr.
+
+A kernel calls ``src = tile_source_2d(ptr, ..., USE_TMA)`` once, then ``load_2d(src, ...)`` in its loop;
+Triton compiles one variant per value of ``USE_TMA`` from the same kernel body. Both paths read zeros
+outside the tensor (TMA pads with zeros, the pointer path uses ``other=0``) and clip stores, so a kernel
+must mask padded rows/columns itself where zero is not neutral (e.g. -inf for vocab tails).
+
+Pointer offsets along the leading dim are computed in int64: N*V and V*H exceed 2**31 in real workloads.
+"""
+
+import triton
+import triton.language as tl
+
+__all__ = ["tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d", "load_rows"]
+
+
+@triton.jit
+def tile_source_2d(ptr, shape0, shape1, stride0, BLOCK0: tl.constexpr, BLOCK1: tl.constexpr,
+                   USE_TMA: tl.constexpr):
+    """A descriptor over a [shape0, shape1] matrix with unit inner stride when USE_TMA, else ``ptr``."""
+    if USE_TMA:
+        tl.static_assert(BLOCK1 * ptr.dtype.element_ty.primitive_bitwidth // 8 >= 16,
+                         "TMA box inner extent must be at least 16 bytes")
+        src = tl.make_tensor_descriptor(ptr, shape=[shape0, shape1], strides=[stride0, 1],
+                                        block_shape=[BLOCK0, BLOCK1])
+    else:
+        src = ptr
+    return src
+
+
+@triton.jit
+def load_2d(src, off0, off1, shape0, shape1, stride0, stride1, BLOCK0: tl.constexpr, BLOCK1: tl.constexpr,
+            USE_TMA: tl.constexpr):
+    """Tile [BLOCK0, BLOCK1] at (off0, off1); zeros outside [shape0, shape1]."""
+    if USE_TMA:
+        tile = src.load([off0, off1])
+    else:
+        r = off0 + tl.arange(0, BLOCK0)
+        c = off1 + tl.arange(0, BLOCK1)
+        ptrs = src + r[:, None].to(tl.int64) * stride0 + c[None, :].to(tl.int64) * stride1
+        tile = tl.load(ptrs, mask=(r[:, None] < shape0) & (c[None, :] < shape1), other=0.0)
+    return tile
+
+
+@triton.jit
+def store_2d(dst, value, off0, off1, shape0, shape1, stride0, stride1, BLOCK0: tl.constexpr,
+             BLOCK1: tl.constexpr, USE_TMA: tl.constexpr):
+    """Store a [BLOCK0, BLOCK1] tile at (off0, off1), clipped to [shape0, shape1]."""
+    if USE_TMA:
+        dst.store([off0, off1], value)
+    else:
+        r = off0 + tl.arange(0, BLOCK0)
+        c = off1 + tl.arange(0, BLOCK1)
+        ptrs = dst + r[:, None].to(tl.int64) * stride0 + c[None, :].to(tl.int64) * stride1
+        tl.store(ptrs, value, mask=(r[:, None] < shape0) & (c[None, :] < shape1))
+
+
+@triton.jit
+def tile_source_3d(ptr, shape0, shape1, shape2, stride0, stride1, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
+                   USE_TMA: tl.constexpr):
+    """A descriptor over a [shape0, shape1, shape2] tensor (e.g. expert weights [E, N, K]) with boxes
+    [1, BLOCK1, BLOCK2] when USE_TMA, else ``ptr``."""
+    if USE_TMA:
+        tl.static_assert(BLOCK2 * ptr.dtype.element_ty.primitive_bitwidth // 8 >= 16,
+                         "TMA box inner extent must be at least 16 bytes")
+        src = tl.make_tensor_descriptor(ptr, shape=[shape0, shape1, shape2], strides=[stride0, stride1, 1],
+                                        block_shape=[1, BLOCK1, BLOCK2])
+    else:
+        src = ptr
+    return src
+
+
+@triton.jit
+def load_3d(src, idx0, off1, off2, shape1, shape2, stride0, stride1, stride2, BLOCK1: tl.constexpr,
+            BLOCK2: tl.constexpr, USE_TMA: tl.constexpr):
+    """Tile [BLOCK1, BLOCK2] of slab ``idx0`` at (off1, off2); zeros outside [shape1, shape2]."""
+    if USE_TMA:
+        tile = src.load([idx0, off1, off2]).reshape(BLOCK1, BLOCK2)
+    else:
+        r = off1 + tl.arange(0, BLOCK1)
+        c = off2 + tl.arange(0, BLOCK2)
+        base = src + idx0.to(tl.int64) * stride0
+        ptrs = base + r[:, None].to(tl.int64) * stride1 + c[None, :].to(tl.int64) * stride2
+        tile = tl.load(ptrs, mask=(r[:, None] < shape1) & (c[None, :] < shape2), other=0.0)
+    return tile
+
+
+@triton.jit
+def load_rows(ptr, rows, row_mask, off1, shape1, stride0, stride1, BLOCK1: tl.constexpr, USE_TMA: tl.constexpr):
+    """Gather rows ``rows`` (int tensor [R]) of a [*, shape1] matrix, columns off1..off1+BLOCK1.
+
+    Row gathers have no TMA form on sm_90 (TMA gather is sm_100), so USE_TMA=True is rejected at compile time.
+    """
+    tl.static_assert(not USE_TMA, "row gather has no TMA path on sm_90: pass USE_TMA=False for gathered rows")
+    c = off1 + tl.arange(0, BLOCK1)
+    ptrs = ptr + rows[:, None].to(tl.int64) * stride0 + c[None, :].to(tl.int64) * stride1
+    return tl.load(ptrs, mask=row_mask[:, None] & (c[None, :] < shape1), other=0.0)
