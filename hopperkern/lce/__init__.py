@@ -1,0 +1,11 @@
+"""``hopperkern.lce``: fused linear cross-entropy (loss, per-token log-probs and entropy of hidden @ weight.T)
+forward and backward, never holding the N x V logits.
+
+Public: :func:`linear_cross_entropy`, :func:`linear_logprobs_entropy`. Lower level: :mod:`.launch`
+(``lce_forward``, ``lce_backward``), :mod:`.reference` (plain PyTorch).
+"""
+
+from .api import linear_cross_entropy, linear_logprobs_entropy
+from .launch import LceOptions, lce_backward, lce_forward
+
+__all__ = ["LceOptions", "lce_backward", "lce_forward", "linear_cross_entropy", "linear_logprobs_entropy"]

@@ -1,0 +1,251 @@
+"""Triton kernels of the fused linear cross-entropy (LCE).
+
+Letters: ``N`` tokens, ``H`` hidden, ``V`` vocab. As a GEMM the logits are ``[N, V] = h[N, H] @ w[V, H]^T``
+(GEMM M = N, N = V, K = H); ``BLOCK_N`` tiles tokens, ``BLOCK_V`` the vocab and ``BLOCK_K`` the hidden dim.
+Final logits ``z = softcap * tanh((h @ w^T + b) / softcap) / temperature`` (softcap optional).
+
+Each kernel has ONE body for both memory paths: operands come from :mod:`hopperkern.tma.jit` helpers that
+take a descriptor or a pointer depending on a ``*_TMA`` constexpr.
+"""
+
+import triton
+import triton.language as tl
+
+from ..tma.jit import load_2d, store_2d, tile_source_2d
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp: libdevice calls do not run in the interpreter. Saturates correctly at +-inf.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _grouped_tile(pid, num_rows, num_cols, GROUP: tl.constexpr):
+    """Map a linear program id to (row tile, column tile), visiting GROUP row tiles per column sweep so that
+    programs running at the same time share weight tiles (columns) and hidden tiles (rows) in L2."""
+    per_group = GROUP * num_cols
+    group = pid // per_group
+    first = group * GROUP
+    size = tl.minimum(num_rows - first, GROUP)
+    local = pid % per_group
+    return first + local % size, local // size
+
+
+@triton.jit
+def _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                 softcap, inv_temp,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, H_TMA: tl.constexpr, W_TMA: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """fp32 logits z of rows row0.. and vocab columns col0.. (columns >= V hold garbage-free finite values:
+    both paths read zero weights there; callers mask them)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        # Hidden tail (k >= H) reads zeros on both paths: adds nothing.
+        h = load_2d(h_src, row0, k * BLOCK_K, N, H, stride_hn, stride_hk, BLOCK_N, BLOCK_K, H_TMA)
+        w = load_2d(w_src, col0, k * BLOCK_K, V, H, stride_wv, stride_wk, BLOCK_V, BLOCK_K, W_TMA)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        cols = col0 + tl.arange(0, BLOCK_V)
+        acc += tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+    if SOFTCAP:
+        acc = softcap * _tanh(acc / softcap)
+    return acc * inv_temp
+
+
+@triton.jit
+def lce_forward_kernel(
+    h_ptr,  # [N, H] fp16/bf16/fp32
+    w_ptr,  # [V, H] same dtype
+    b_ptr,  # [V] or dummy
+    labels_ptr,  # [N] int32/int64
+    m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 per-split running max, sum exp(z-m), sum exp(z-m)*z, sum z
+    zlab_ptr,  # [N] fp32, zero-initialised: logit of the label, written by the split that holds it
+    N, V, H, S, tiles_per_split,
+    stride_hn, stride_hk, stride_wv, stride_wk,
+    softcap, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
+    H_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Per-split online log-sum-exp statistics.
+
+    Grid (cdiv(N, BLOCK_N) * S,); one program = one row block x one vocab split of ``tiles_per_split``
+    BLOCK_V tiles, keeping m/s/t/sumz in registers across its tiles. Programs are ordered GROUP_N row blocks
+    per split sweep (see ``_grouped_tile``).
+    """
+    pid = tl.program_id(0)
+    rb, split = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), S, GROUP_N)
+    row0 = rb * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+
+    h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
+    w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, W_TMA)
+
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    t = tl.zeros((BLOCK_N,), tl.float32)
+    sumz = tl.zeros((BLOCK_N,), tl.float32)
+    zlab = tl.zeros((BLOCK_N,), tl.float32)
+    num_vt = tl.cdiv(V, BLOCK_V)
+    vt_begin = split * tiles_per_split
+    vt_end = tl.minimum(vt_begin + tiles_per_split, num_vt)
+    for vt in range(vt_begin, vt_end):
+        col0 = vt * BLOCK_V
+        z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                         softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA,
+                         DOT_PRECISION)
+        cols = col0 + tl.arange(0, BLOCK_V)
+        col_ok = cols[None, :] < V
+        # Vocab tail: TMA pads with zeros, which would be logits of 0 (verl #2656): mask them to -inf.
+        z = tl.where(col_ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 1))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(z - m_new[:, None])
+        s = s * alpha + tl.sum(e, 1)
+        zv = tl.where(col_ok, z, 0.0)
+        if NEED_T:
+            t = t * alpha + tl.sum(e * zv, 1)
+        if NEED_SUMZ:
+            sumz += tl.sum(zv, 1)
+        zlab += tl.sum(tl.where(cols[None, :] == labels[:, None], zv, 0.0), 1)
+        m = m_new
+
+    out = split.to(tl.int64) * N + rows
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    if NEED_T:
+        tl.store(t_ptr + out, t, mask=row_ok)
+    if NEED_SUMZ:
+        tl.store(sumz_ptr + out, sumz, mask=row_ok)
+    lab_here = (labels >= vt_begin * BLOCK_V) & (labels < tl.minimum(vt_end * BLOCK_V, V))
+    tl.store(zlab_ptr + rows, zlab, mask=row_ok & lab_here)
+
+
+@triton.jit
+def lce_combine_kernel(
+    m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 partial statistics
+    zlab_ptr,  # [N] fp32
+    labels_ptr,  # [N] int
+    loss_ptr, logprob_ptr, entropy_ptr, lse_ptr,  # [N] fp32 outputs
+    N, V, S, ignore_index, label_smoothing, z_loss,
+    BLOCK: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
+):
+    """Merge the S splits into per-token loss, log-prob, entropy and LSE. Grid (cdiv(N, BLOCK),).
+
+    loss = lse - (1-eps) z_label - eps/V sum(z) + z_loss lse^2 on kept tokens (0 on ignored ones);
+    logprob = z_label - lse on kept tokens; entropy = lse - E_p[z] on all tokens. A label outside [0, V)
+    that is not ignore_index gives NaN (reached only when the caller skipped the label check).
+    """
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    mx = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for sp in range(0, S):
+        mx = tl.maximum(mx, tl.load(m_ptr + sp * N + rows, mask=ok, other=0.0))
+    s_tot = tl.zeros((BLOCK,), tl.float32)
+    t_tot = tl.zeros((BLOCK,), tl.float32)
+    sz_tot = tl.zeros((BLOCK,), tl.float32)
+    for sp in range(0, S):
+        idx = sp * N + rows
+        scale = tl.exp(tl.load(m_ptr + idx, mask=ok, other=0.0) - mx)
+        s_tot += scale * tl.load(s_ptr + idx, mask=ok, other=0.0)
+        if NEED_T:
+            t_tot += scale * tl.load(t_ptr + idx, mask=ok, other=0.0)
+        if NEED_SUMZ:
+            sz_tot += tl.load(sumz_ptr + idx, mask=ok, other=0.0)
+    s_safe = tl.where(ok, s_tot, 1.0)
+    lse = mx + tl.log(s_safe)
+    labels = tl.load(labels_ptr + rows, mask=ok, other=ignore_index).to(tl.int64)
+    kept = labels != ignore_index
+    bad = kept & ((labels < 0) | (labels >= V))
+    zlab = tl.load(zlab_ptr + rows, mask=ok, other=0.0)
+    lp = tl.where(kept, zlab - lse, 0.0)
+    loss = lse - (1.0 - label_smoothing) * zlab + z_loss * lse * lse
+    if NEED_SUMZ:
+        loss -= label_smoothing / V * sz_tot
+    loss = tl.where(kept, loss, 0.0)
+    nan = float("nan")
+    tl.store(loss_ptr + rows, tl.where(bad, nan, loss), mask=ok)
+    tl.store(logprob_ptr + rows, tl.where(bad, nan, lp), mask=ok)
+    tl.store(lse_ptr + rows, lse, mask=ok)
+    if NEED_T:
+        tl.store(entropy_ptr + rows, lse - t_tot / s_safe, mask=ok)
+
+
+@triton.jit
+def lce_dlogits_kernel(
+    h_ptr,  # [N, H]
+    w_ptr,  # [V, H]
+    b_ptr,  # [V] or dummy
+    labels_ptr,  # [N] int
+    lse_ptr, ent_ptr,  # [N] fp32 from the forward (ent only read when HAS_GE)
+    gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # [N] fp32 upstream grads of loss, logprob, entropy, lse (each optional)
+    d_ptr,  # [N, ld_d] out: d loss / d (h @ w^T + b) for vocab columns col_begin .. col_begin + ncols
+    N, V, H, col_begin, ncols,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_dn,
+    ignore_index, label_smoothing, z_loss, softcap, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
+    H_TMA: tl.constexpr, W_TMA: tl.constexpr, D_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Gradient w.r.t. the raw logits of one vocab slice, recomputed tile by tile.
+
+    Grid (cdiv(N, BLOCK_N) * cdiv(ncols, BLOCK_V),); one program = one [BLOCK_N, BLOCK_V] tile. With p the
+    softmax of z and E = E_p[z] = lse - entropy, the gradient w.r.t. z is
+        dz = p * (A + B z) + C [j == label] + D,
+        A = kept (g_loss (1 + 2 z_loss lse) - g_logprob) + g_entropy E + g_lse,   B = -g_entropy,
+        C = kept (g_logprob - g_loss (1 - eps)),                                 D = -kept g_loss eps / V,
+    then d raw = dz / temperature * (1 - tanh^2) (the tanh factor only with softcap).
+    """
+    tl.static_assert(BLOCK_V >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    pid = tl.program_id(0)
+    rb, vt = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(ncols, BLOCK_V), GROUP_N)
+    row0 = rb * BLOCK_N
+    col0 = col_begin + vt * BLOCK_V
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = col0 + tl.arange(0, BLOCK_V)
+
+    h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
+    w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, W_TMA)
+    z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                     softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA, DOT_PRECISION)
+
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    kept = (labels != ignore_index).to(tl.float32)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    a = tl.zeros((BLOCK_N,), tl.float32)
+    b = tl.zeros((BLOCK_N,), tl.float32)
+    c = tl.zeros((BLOCK_N,), tl.float32)
+    d = tl.zeros((BLOCK_N,), tl.float32)
+    if HAS_GL:
+        gl = tl.load(gl_ptr + rows, mask=row_ok, other=0.0) * kept
+        a += gl * (1.0 + 2.0 * z_loss * lse)
+        c -= gl * (1.0 - label_smoothing)
+        d -= gl * (label_smoothing / V)
+    if HAS_GP:
+        gp = tl.load(gp_ptr + rows, mask=row_ok, other=0.0) * kept
+        a -= gp
+        c += gp
+    if HAS_GE:
+        ge = tl.load(ge_ptr + rows, mask=row_ok, other=0.0)
+        ez = lse - tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        a += ge * ez
+        b -= ge
+    if HAS_GZ:
+        a += tl.load(gz_ptr + rows, mask=row_ok, other=0.0)
+
+    p = tl.exp(z - lse[:, None])
+    dz = p * (a[:, None] + b[:, None] * z) + tl.where(cols[None, :] == labels[:, None], c[:, None], 0.0) + d[:, None]
+    dz = dz * inv_temp
+    if SOFTCAP:
+        th = z / (softcap * inv_temp)
+        dz = dz * (1.0 - th * th)
+    d_dst = tile_source_2d(d_ptr, N, ncols, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
+    # Columns >= ncols (and rows >= N) are clipped by the store on both paths.
+    store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, vt * BLOCK_V, N, ncols, stride_dn, 1, BLOCK_N, BLOCK_V,
+             D_TMA)

@@ -1,0 +1,264 @@
+"""Launchers of the fused linear cross-entropy: validation, configs, TMA decisions, launches.
+
+Lower-level public entry points (documented here, used by :mod:`hopperkern.lce.api` through torch custom ops):
+
+* :func:`lce_forward` -> per-token ``(loss, logprob, entropy, lse)``, O(N) extra memory.
+* :func:`lce_backward` -> ``(d_hidden, d_weight, d_bias)`` for arbitrary per-token upstream gradients.
+
+Backward strategy: the vocab is cut into slices of ``Vs`` columns. For each slice a Triton kernel recomputes
+the logits tile by tile and writes d(logits) for all N tokens into a bounded buffer ([N, Vs], at most
+``DLOGITS_BUDGET`` bytes); then ``d_weight[slice] = dlogits^T @ h`` is ONE GEMM over all tokens (fp32
+accumulation inside the GEMM, written once), and ``d_hidden += dlogits @ w[slice]`` accumulates in an fp32
+[N, H] buffer. No gradient piece is ever summed in bf16/fp16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .. import tma as _tma
+from .. import tuning as _tuning
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_float, check_same_device, check_same_dtype
+from ..tuning import KernelConfig
+from ._kernels import lce_combine_kernel, lce_dlogits_kernel, lce_forward_kernel
+
+__all__ = ["LceOptions", "lce_forward", "lce_backward", "check_labels", "validate_inputs", "forward_plan"]
+
+DLOGITS_BUDGET = 128 * 2**20  # bytes of the per-slice d(logits) buffer
+STATS_BUDGET = 8 * 2**20  # bytes of the forward's per-split statistics (4 fp32 [S, N] arrays)
+_COMBINE_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class LceOptions:
+    """Non-tensor options of one LCE call (travels as one object through autograd)."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float = 0.0  # 0 = no softcap
+    temperature: float = 1.0
+    tma: str = "auto"
+
+    @property
+    def inv_temp(self) -> float:
+        return 1.0 / self.temperature
+
+
+def validate_inputs(hidden, weight, labels, bias, *, ignore_index, label_smoothing=0.0, z_loss=0.0, softcap=None,
+                    temperature=1.0, tma="auto", reduction=None) -> None:
+    """Check dtypes, shapes and options before anything is launched (TypeError / ValueError)."""
+    check_dtype("hidden", hidden, FLOAT_DTYPES)
+    check_dtype("weight", weight, FLOAT_DTYPES)
+    check_same_dtype("weight", weight, "hidden", hidden)
+    check_dtype("labels", labels, INDEX_DTYPES)
+    if bias is not None:
+        check_dtype("bias", bias, FLOAT_DTYPES)
+        check_same_dtype("bias", bias, "weight", weight)
+    check_same_device({"hidden": hidden, "weight": weight, "labels": labels, "bias": bias})
+    if hidden.dim() < 1:
+        raise ValueError(f"hidden must have at least 1 dim [..., H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    V, H = weight.shape
+    if V == 0 or H == 0:
+        raise ValueError(f"weight must have V >= 1 rows and H >= 1 columns, got shape {tuple(weight.shape)}")
+    if hidden.shape[-1] != H:
+        raise ValueError(f"hidden must have last dim {H} (weight.shape[1]), got shape {tuple(hidden.shape)}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
+                         f"got {tuple(labels.shape)}")
+    if bias is not None and tuple(bias.shape) != (V,):
+        raise ValueError(f"bias must have shape ({V},), got {tuple(bias.shape)}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_float("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    check_float("z_loss", z_loss, low=0.0)
+    check_float("temperature", temperature, low=0.0, low_open=True)
+    if softcap is not None:
+        check_float("softcap", softcap, low=0.0, low_open=True)
+    if reduction is not None and reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"reduction must be one of ('none', 'mean', 'sum'), got {reduction!r}")
+    _tma.resolve_mode(tma)  # ValueError for an unknown mode, before any launch
+
+
+def check_labels(labels: torch.Tensor, V: int, ignore_index: int) -> None:
+    """Raise ValueError naming the labels outside [0, V) that are not ``ignore_index``.
+
+    Cost: one elementwise pass over the N labels plus ONE device->host synchronisation. Callers that
+    guarantee valid labels (and CUDA-graph capture) pass ``check_labels=False`` to the public functions;
+    an invalid label then yields NaN loss/log-prob for that token instead of a wrong number.
+    """
+    if labels.numel() == 0:
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+    if bool(bad.any()):
+        pos = bad.nonzero().flatten()[:8].tolist()
+        vals = labels.flatten()[bad.flatten()][:8].tolist()
+        raise ValueError(f"labels must be in [0, {V}) or ignore_index={ignore_index}; got {vals} at flat "
+                         f"positions {pos}" + (" (first 8 shown)" if int(bad.sum()) > 8 else ""))
+
+
+def _interp_config() -> KernelConfig:
+    # Small tiles keep the interpreter fast (cost is per tile visited, not per FLOP).
+    return KernelConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+
+
+def _default_config(dtype) -> KernelConfig:
+    if dtype == torch.float32:
+        return KernelConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+    return KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3)
+
+
+def pick_config(phase: str, dtype, N: int) -> KernelConfig:
+    """Launch config for ``phase`` ("forward"/"backward"): the GPU's tuning file, else built-in defaults."""
+    if _tma.interpreter_active():
+        return _interp_config()
+    cfg = _tuning.load_config().lce_config(phase, dtype, N)
+    return cfg if cfg is not None else _default_config(dtype)
+
+
+def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int) -> tuple[int, int]:
+    """(S, tiles_per_split): vocab splits per row block, chosen to minimise waves x tiles per program
+    (programs are long, so a partly filled last wave costs), within ``STATS_BUDGET``."""
+    num_rb = triton.cdiv(N, cfg.block_m)
+    num_vt = triton.cdiv(V, cfg.block_n)
+    s_max = max(1, min(num_vt, STATS_BUDGET // max(1, 16 * N)))
+    best = None
+    for S in range(1, s_max + 1):
+        tps = triton.cdiv(num_vt, S)
+        S_eff = triton.cdiv(num_vt, tps)  # no empty splits
+        cost = triton.cdiv(num_rb * S_eff, sm_count) * tps
+        if best is None or cost < best[0]:
+            best = (cost, S_eff, tps)
+    return best[1], best[2]
+
+
+def _sm_count(device) -> int:
+    cap = _tma.capability(device)
+    if cap.interpreter or not cap.sm_count:
+        return 4  # interpreter: a few "SMs" so tests exercise several vocab splits
+    return cap.sm_count
+
+
+def _dot_precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
+                *, need_entropy: bool = True, config: KernelConfig | None = None):
+    """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N].
+
+    loss includes label smoothing and z-loss (0 at ignored tokens); logprob is 0 at ignored tokens; entropy
+    is computed for every token (zeros when ``need_entropy`` is False). Inputs must be validated already.
+    Extra memory: 4 fp32 [S, N] statistics, S chosen within 8 MiB.
+    """
+    N = hidden2d.shape[0]
+    V, H = weight.shape
+    dev = hidden2d.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    loss, logprob, entropy, lse = (torch.zeros(N, **f32) for _ in range(4))
+    if N == 0:
+        return loss, logprob, entropy, lse
+    cfg = config or pick_config("forward", hidden2d.dtype, N)
+    d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
+                               "weight": (weight, (cfg.block_n, cfg.block_k))}, op="lce.forward")
+    S, tps = forward_plan(N, V, cfg, _sm_count(dev))
+    need_sumz = opts.label_smoothing > 0
+    m = torch.empty((S, N), **f32)
+    s = torch.empty((S, N), **f32)
+    t = torch.empty((S, N), **f32) if need_entropy else m
+    sumz = torch.empty((S, N), **f32) if need_sumz else m
+    zlab = torch.zeros(N, **f32)
+    grid = (triton.cdiv(N, cfg.block_m) * S,)
+    lce_forward_kernel[grid](
+        hidden2d, weight, bias if bias is not None else weight, labels1d, m, s, t, sumz, zlab,
+        N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
+        float(opts.softcap or 1.0), opts.inv_temp,
+        BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
+        HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
+        H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=_dot_precision(hidden2d.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    lce_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
+        m, s, t, sumz, zlab, labels1d, loss, logprob, entropy, lse,
+        N, V, S, opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
+        BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz,
+    )
+    return loss, logprob, entropy, lse
+
+
+def _slice_cols(N: int, V: int, block_v: int, elem: int) -> int:
+    cols = DLOGITS_BUDGET // max(1, N * elem)
+    cols = max(block_v, (cols // block_v) * block_v)
+    return min(cols, triton.cdiv(V, block_v) * block_v)
+
+
+def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b with fp32 accumulation and no low-precision partial sum."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        # cuBLAS: bf16/fp16 inputs, fp32 accumulate and fp32 C, beta = 1.
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # CPU (tests): same arithmetic through fp32 copies of the slice
+        acc.addmm_(a.float(), b.float())
+
+
+def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
+                 opts: LceOptions, *, need_weight_grad: bool = True, need_hidden_grad: bool = True,
+                 config: KernelConfig | None = None):
+    """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the input dtype.
+
+    ``g_*`` are fp32 [N] upstream gradients of the forward's per-token outputs, or None for zero.
+    Extra memory: fp32 [N, H] for d_hidden's sum over vocab slices plus one [N, Vs] d(logits) slice
+    (<= ``DLOGITS_BUDGET`` bytes).
+    """
+    N, H = hidden2d.shape
+    V = weight.shape[0]
+    dev, dt = hidden2d.device, hidden2d.dtype
+    d_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_weight_grad else None
+    d_b = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+    if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
+        d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
+        return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
+    cfg = config or pick_config("backward", dt, N)
+    vs = _slice_cols(N, V, cfg.block_n, hidden2d.element_size())
+    ld = triton.cdiv(vs, 64) * 64  # row pitch of the slice buffer: 128-byte aligned rows for TMA stores
+    dbuf = torch.empty((N, ld), dtype=dt, device=dev)
+    d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
+                               "weight": (weight, (cfg.block_n, cfg.block_k)),
+                               "dlogits": (dbuf, (cfg.block_m, cfg.block_n))}, op="lce.backward")
+    acc_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
+    dummy = lse
+    for col_begin in range(0, V, vs):
+        ncols = min(vs, V - col_begin)
+        grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(ncols, cfg.block_n),)
+        lce_dlogits_kernel[grid](
+            hidden2d, weight, bias if bias is not None else weight, labels1d, lse, entropy,
+            g_loss if g_loss is not None else dummy, g_logprob if g_logprob is not None else dummy,
+            g_entropy if g_entropy is not None else dummy, g_lse if g_lse is not None else dummy,
+            dbuf, N, V, H, col_begin, ncols,
+            hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0),
+            opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+            opts.inv_temp,
+            BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
+            HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap),
+            HAS_GL=g_loss is not None, HAS_GP=g_logprob is not None, HAS_GE=g_entropy is not None,
+            HAS_GZ=g_lse is not None,
+            H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=_dot_precision(dt),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        dl = dbuf[:, :ncols]
+        if need_weight_grad:
+            # One GEMM over all N tokens: fp32 accumulation inside cuBLAS, written once in the weight dtype.
+            torch.mm(dl.t(), hidden2d, out=d_w[col_begin:col_begin + ncols])
+        if need_hidden_grad:
+            _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols])
+        if d_b is not None:
+            d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)
+    d_h = acc_h.to(dt) if need_hidden_grad else None
+    return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
