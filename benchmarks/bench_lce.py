@@ -1,0 +1,258 @@
+"""LCE benchmark: hopperkern (tma auto / never) vs plain torch, torch.compile, Liger and CCE (when installed).
+
+For each (N, H, V) and mode it reports time, the ratio to the cuBLAS floors measured in the same run,
+peak extra memory and the error of loss / dH / dW against an fp32 reference.
+
+Floors (cuBLAS bf16, this run): 1G = h @ w.T; 3G = 1G + dlogits @ w + dlogits.T @ h; 4G = 3G + 1G.
+Modes: ``fwd`` = no-grad log-probs + entropy (floor 1G); ``sft`` = sum-loss forward + backward (floor 3G);
+``rl`` = log-probs + entropy forward + backward with per-token upstream grads (floor 4G).
+
+    python -m benchmarks.bench_lce --out DIR [--quick] [--compile-shapes K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import measure_ceilings, run_meta, time_cuda, write_csv
+
+SHAPES = [(8192, 4096, 128256), (32768, 4096, 128256), (16384, 3584, 152064), (8192, 2304, 256000),
+          (1937, 3584, 152064), (2169, 896, 151936)]
+QUICK = [(8192, 4096, 128256), (2169, 896, 151936)]
+FLOORS = {"fwd": "1G", "sft": "3G", "rl": "4G"}
+
+
+def _providers(compile_ok: bool):
+    from hopperkern import lce
+
+    def hk(tma):
+        def sft(h, w, y):
+            return lce.linear_cross_entropy(h, w, y, reduction="sum", tma=tma)
+
+        def rl(h, w, y):
+            return lce.linear_logprobs_entropy(h, w, y, tma=tma)
+
+        return sft, rl
+
+    def torch_sft(h, w, y):
+        return F.cross_entropy((h @ w.T).float(), y, reduction="sum")
+
+    def torch_rl(h, w, y):
+        logp = torch.log_softmax((h @ w.T).float(), -1)
+        return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+    provs = {"hopperkern": hk("auto"), "hopperkern-ptr": hk("never"), "torch": (torch_sft, torch_rl)}
+    if compile_ok:
+        provs["torch.compile"] = (torch.compile(torch_sft, dynamic=False), torch.compile(torch_rl, dynamic=False))
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        provs["liger"] = (lambda h, w, y: liger_fused_linear_cross_entropy(h, w, y, reduction="sum"), None)
+    except Exception:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        provs["cce"] = (lambda h, w, y: cce(h, w, y, reduction="sum"), None)
+    except Exception:
+        pass
+    return provs
+
+
+def _floors(h, w, reps):
+    N, V = h.shape[0], w.shape[0]
+    dl = torch.randn(N, V, device="cuda", dtype=h.dtype) * 1e-3
+    t1, _, _ = time_cuda(lambda: h @ w.T, reps=reps)
+    tdh, _, _ = time_cuda(lambda: dl @ w, reps=reps)
+    tdw, _, _ = time_cuda(lambda: dl.T @ h, reps=reps)
+    del dl
+    return {"1G": t1, "3G": t1 + tdh + tdw, "4G": 2 * t1 + tdh + tdw}
+
+
+def _reference(h, w, y, g1, g2):
+    """fp32 reference of the sum loss and the RL objective, with grads (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = h.detach().float().requires_grad_()
+    wf = w.detach().float().requires_grad_()
+    z = hf @ wf.T
+    loss = F.cross_entropy(z, y, reduction="sum")
+    dh, dw = torch.autograd.grad(loss, (hf, wf))
+    ref = {"loss": loss.detach(), "dh": dh, "dw": dw}
+    del z
+    z = hf @ wf.T
+    logp = torch.log_softmax(z, -1)
+    lp = logp.gather(-1, y[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    rdh, rdw = torch.autograd.grad((lp * g1 + ent * g2).sum(), (hf, wf))
+    ref.update(lp=lp.detach(), ent=ent.detach(), rl_dh=rdh, rl_dw=rdw)
+    del z, logp
+    return ref
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def run_case(N, H, V, provs, reps, with_errors, ceilings):
+    torch.manual_seed(0)
+    h = (torch.randn(N, H, device="cuda") * H**-0.5 * 2).to(torch.bfloat16)
+    w = (torch.randn(V, H, device="cuda") * 0.5).to(torch.bfloat16)
+    y = torch.randint(0, V, (N,), device="cuda")
+    g1 = torch.randn(N, device="cuda")
+    g2 = torch.randn(N, device="cuda") * 0.1
+    floors = _floors(h, w, reps)
+    ref = _reference(h, w, y, g1, g2) if with_errors else None
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows = []
+    base = dict(N=N, H=H, V=V, floor_1G_ms=floors["1G"], floor_3G_ms=floors["3G"], floor_4G_ms=floors["4G"],
+                **ceilings)
+    for name, (sft, rl) in provs.items():
+        for mode in ("fwd", "sft", "rl"):
+            fn = sft if mode == "sft" else rl
+            if fn is None:
+                continue
+            hh = h.detach().requires_grad_(mode != "fwd")
+            ww = w.detach().requires_grad_(mode != "fwd")
+            out = {}
+
+            def step():
+                if mode == "fwd":
+                    with torch.no_grad():
+                        out["lp"], out["ent"] = fn(hh, ww, y)
+                elif mode == "sft":
+                    hh.grad = ww.grad = None
+                    out["loss"] = fn(hh, ww, y)
+                    out["loss"].backward()
+                else:
+                    hh.grad = ww.grad = None
+                    lp, ent = fn(hh, ww, y)
+                    out["lp"], out["ent"] = lp, ent
+                    (lp * g1 + ent * g2).sum().backward()
+
+            row = dict(base, provider=name, mode=mode, floor=FLOORS[mode])
+            try:
+                step()  # warm-up / compile
+                torch.cuda.synchronize()
+                hh.grad = ww.grad = None
+                out.clear()
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                grads = sum(t.numel() * t.element_size() for t in (hh.grad, ww.grad) if t is not None)
+                outs = sum(t.numel() * t.element_size() for t in out.values())
+                row["extra_mem_mib"] = (torch.cuda.max_memory_allocated() - before - grads - outs) / 2**20
+                if ref is not None:
+                    if mode == "sft":
+                        row["err_loss"] = abs(out["loss"].item() - ref["loss"].item()) / abs(ref["loss"].item())
+                        row["err_dh"] = _rel(hh.grad, ref["dh"])
+                        row["err_dw"] = _rel(ww.grad, ref["dw"])
+                    else:
+                        row["err_logprob"] = _rel(out["lp"], ref["lp"])
+                        row["err_entropy"] = _rel(out["ent"], ref["ent"])
+                        if mode == "rl":
+                            row["err_dh"] = _rel(hh.grad, ref["rl_dh"])
+                            row["err_dw"] = _rel(ww.grad, ref["rl_dw"])
+                med, p20, p80 = time_cuda(step, warmup=0, reps=reps)
+                row.update(time_ms=med, p20_ms=p20, p80_ms=p80, ratio=med / floors[FLOORS[mode]])
+            except Exception as exc:  # report and go on: one failing peer must not hide the rest
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                traceback.print_exc(limit=2)
+            rows.append(row)
+            hh.grad = ww.grad = None
+            out.clear()
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    shapes = sorted({(r["N"], r["H"], r["V"]) for r in rows})
+    provs = []
+    for r in rows:
+        if r["provider"] not in provs:
+            provs.append(r["provider"])
+    for ax, mode in zip(axes, ("fwd", "sft", "rl")):
+        width = 0.8 / max(1, len(provs))
+        for i, p in enumerate(provs):
+            ys = []
+            for s in shapes:
+                v = [r.get("ratio") for r in rows if (r["N"], r["H"], r["V"]) == s and r["provider"] == p
+                     and r["mode"] == mode]
+                ys.append(v[0] if v and v[0] is not None else 0)
+            ax.bar([j + i * width for j in range(len(shapes))], ys, width, label=p)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 for j in range(len(shapes))])
+        ax.set_xticklabels([f"{n}x{h}x{v}" for n, h, v in shapes], rotation=30, fontsize=7)
+        ax.set_title(f"{mode}: time / {FLOORS[mode]} (cuBLAS floor, same run)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(rows):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="LCE: time / cuBLAS floor (same run), extra MiB, errors vs fp32")
+    for c in ("shape", "provider", "mode", "ms", "ratio", "floor", "MiB", "err dH", "err dW"):
+        t.add_column(c)
+    for r in rows:
+        f = (lambda k, fmt: (fmt % r[k]) if r.get(k) is not None else "-")
+        t.add_row(f"{r['N']}x{r['H']}x{r['V']}", r["provider"], r["mode"], f("time_ms", "%.2f"),
+                  f("ratio", "%.3f"), r["floor"], f("extra_mem_mib", "%.0f"), f("err_dh", "%.2e"),
+                  f("err_dw", "%.2e") if "error" not in r else r["error"][:40])
+    Console(width=160).print(t)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile-shapes", type=int, default=1, help="torch.compile on the first K shapes only")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-errors", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_lce: no CUDA GPU, nothing to time")
+        return 0
+    from rich.progress import track
+
+    meta = run_meta()
+    ceil = measure_ceilings()
+    print(json.dumps({**meta, **ceil}))
+    shapes = QUICK if args.quick else SHAPES
+    rows = []
+    for i, (N, H, V) in enumerate(track(shapes, description="LCE shapes")):
+        provs = _providers(compile_ok=i < args.compile_shapes)
+        rows += [dict(meta, **r) for r in run_case(N, H, V, provs, args.reps, not args.no_errors, ceil)]
+        torch._dynamo.reset()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = meta["device"].replace(" ", "_")
+    write_csv(args.out / f"lce_{tag}.csv", rows)
+    plot(rows, args.out / f"lce_{tag}.png")
+    table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

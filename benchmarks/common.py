@@ -1,0 +1,111 @@
+"""Shared benchmark plumbing: timing with CUDA events, same-run ceilings, run metadata, CSV output."""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def time_cuda(fn, *, warmup: int = 2, reps: int = 7, min_ms: float = 0.0, max_reps: int = 200):
+    """(median, p20, p80) milliseconds of ``fn()`` timed with CUDA events after ``warmup`` calls.
+
+    Repeats at least ``reps`` times and until ``min_ms`` of samples (capped at ``max_reps``)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    while len(times) < reps or (sum(times) < min_ms and len(times) < max_reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    q = statistics.quantiles(times, n=5) if len(times) >= 5 else [times[0], 0, 0, times[-1]]
+    return statistics.median(times), q[0], q[-1]
+
+
+def time_graph(fn, *, reps: int = 50):
+    """Median ms of a CUDA-graph replay of ``fn`` (for launch-bound decode sizes)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return time_cuda(g.replay, warmup=3, reps=reps)
+
+
+def measure_ceilings() -> dict:
+    """cuBLAS bf16 8192^3 rate (TFLOP/s) and device-to-device copy bandwidth (GB/s, bytes read + written),
+    measured now, on random data."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms, _, _ = time_cuda(lambda: a @ b, warmup=3, reps=10)
+    tflops = 2 * n**3 / ms / 1e9
+    src = torch.randn(2**30 // 4, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms_c, _, _ = time_cuda(lambda: dst.copy_(src), warmup=3, reps=10)
+    gbs = 2 * src.numel() * 4 / ms_c / 1e6
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return {"cublas_bf16_tflops": tflops, "copy_gbs": gbs}
+
+
+def git_sha() -> str:
+    env = os.environ.get("HK_GIT_SHA")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def run_meta() -> dict:
+    import triton
+
+    from hopperkern import tuning
+
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg_origin = tuning.load_config().origin
+    except Exception as exc:  # a broken file must not hide the figures
+        cfg_origin = f"error: {exc}"
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "git_sha": git_sha(),
+        "tuning_file": cfg_origin,
+    }
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)

@@ -1,0 +1,119 @@
+"""Tuner: sweeps launch configs on the current GPU and writes ``configs/<DEVICE_NAME>.json``.
+
+    python -m benchmarks.tune --out configs/ [--only lce|moe] [--budget-s 240]
+
+Entries go through the :mod:`hopperkern.tuning` models, so a file this tool writes always validates. An
+existing file for the device is merged: entries not re-tuned in this run are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hopperkern import tuning
+from hopperkern.tuning import KernelConfig
+
+LCE_SHAPE = (4096, 128256)  # (H, V) of the sweep; token buckets below
+LCE_BUCKETS = (2048, 8192, 32768)
+LCE_CANDIDATES = [
+    KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3),
+    KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    KernelConfig(block_m=128, block_n=256, block_k=64, group_m=32, num_warps=8, num_stages=3),
+    KernelConfig(block_m=256, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3),
+    KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4),
+    KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=4, num_stages=4),
+    KernelConfig(block_m=128, block_n=256, block_k=32, group_m=16, num_warps=8, num_stages=4),
+]
+
+
+def _bench(fn, reps=3):
+    from benchmarks.common import time_cuda
+
+    return time_cuda(fn, warmup=1, reps=reps)[0]
+
+
+def tune_lce(dtype=torch.bfloat16, buckets=LCE_BUCKETS, log=print) -> dict:
+    """{lce_key: {bucket: KernelConfig}} for the forward and backward kernels, timed on this GPU."""
+    from hopperkern.lce.launch import LceOptions, lce_backward, lce_forward
+
+    H, V = LCE_SHAPE
+    opts = LceOptions()
+    result: dict = {tuning.lce_key("forward", dtype): {}, tuning.lce_key("backward", dtype): {}}
+    w = (torch.randn(V, H, device="cuda") * 0.5).to(dtype)
+    for N in buckets:
+        h = (torch.randn(N, H, device="cuda") * H**-0.5).to(dtype)
+        y = torch.randint(0, V, (N,), device="cuda")
+        _, _, ent, lse = lce_forward(h, w, y, None, opts)
+        g = torch.randn(N, device="cuda")
+        for phase in ("forward", "backward"):
+            best = None
+            for cfg in LCE_CANDIDATES:
+                if phase == "forward":
+                    fn = lambda: lce_forward(h, w, y, None, opts, config=cfg)  # noqa: E731
+                else:
+                    fn = lambda: lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts,  # noqa: E731
+                                              config=cfg)
+                try:
+                    ms = _bench(fn)
+                except Exception as exc:  # out of shared memory, compile error: skip this candidate
+                    log(f"  lce {phase} N={N} {cfg.model_dump()} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                log(f"  lce {phase} N={N} {cfg.model_dump()} {ms:.3f} ms")
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            if best is not None:
+                result[tuning.lce_key(phase, dtype)][str(N)] = best[1]
+                log(f"lce {phase} N={N}: best {best[1].model_dump()} {best[0]:.3f} ms")
+        del h, y, ent, lse, g
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=Path("configs"))
+    ap.add_argument("--only", choices=("lce", "moe"), default=None)
+    ap.add_argument("--budget-s", type=float, default=240.0, help="time budget of the MoE sweep")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune: needs a CUDA GPU")
+        return 1
+    import triton
+
+    from hopperkern.tma import capability
+
+    cap = capability()
+    path = args.out / f"{cap.config_name}.json"
+    cfg = tuning.load_config(path) if path.is_file() else tuning.TuningConfig()
+    data = cfg.model_dump()
+    t0 = time.time()
+    if args.only in (None, "lce"):
+        lce = tune_lce()
+        for k, v in lce.items():
+            data["lce"].setdefault(k, {}).update({b: c.model_dump() for b, c in v.items()})
+    if args.only in (None, "moe"):
+        try:
+            from benchmarks.tune_moe import tune_moe_default
+        except ImportError as exc:
+            print(f"tune: MoE tuner unavailable ({exc})")
+        else:
+            moe = tune_moe_default(time_budget_s=args.budget_s)
+            for k, v in moe.items():
+                data["moe"].setdefault(k, {}).update({b: c.model_dump() for b, c in v.items()})
+    data.update(device_name=cap.device_name, triton_version=triton.__version__,
+                tuned_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                tuner="python -m benchmarks.tune")
+    out = tuning.TuningConfig.model_validate(data)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out.save(path)
+    print(f"tune: wrote {path} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
