@@ -9,7 +9,6 @@ lists the reasons. The last decision per op is kept for tests and for ``python -
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -141,17 +140,15 @@ def _torch_allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-_ALLOC_SET = threading.local()
-
-
 def ensure_allocator() -> None:
-    """Install a global-memory allocator for device-side tensor descriptors in THIS thread.
+    """Install a global-memory allocator for device-side tensor descriptors in the CURRENT context.
 
-    triton >= 3.5 keeps the allocator in a context variable, so a worker thread starts with none
-    ("no allocator was set"); every launcher calls this on its own thread. A user's own allocator is kept.
-    The interpreter needs none.
+    triton >= 3.5 keeps the allocator in a context variable, so a worker thread (or code run in a fresh
+    ``contextvars.Context``) starts with none ("no allocator was set"); every launcher calls this where it
+    launches. The check reads the context variable each time (cheap), so no per-thread flag can go stale.
+    A user's own allocator is kept. The interpreter needs none.
     """
-    if interpreter_active() or getattr(_ALLOC_SET, "done", False):
+    if interpreter_active():
         return
     import triton
 
@@ -159,12 +156,10 @@ def ensure_allocator() -> None:
         from triton.runtime._allocation import NullAllocator, _allocator
 
         if not isinstance(_allocator.get(), NullAllocator):
-            _ALLOC_SET.done = True
             return
     except Exception:  # layout of triton's private module changed: install ours unconditionally
         pass
     triton.set_allocator(_torch_allocator)
-    _ALLOC_SET.done = True
 
 
 def make_descriptor(t, block_shape: Sequence[int]):
