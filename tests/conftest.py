@@ -2,6 +2,11 @@
 
 TRITON_INTERPRET must be set before triton is imported, so this runs first (pytest imports conftest.py
 before any test module). ``DEVICE`` is where tests put their tensors.
+
+Under the interpreter, ``tl.dot`` on bfloat16 multiplies the raw 16-bit patterns (bf16 is stored as uint16 in
+numpy; upstream triton#11584), and ``x.to(tl.bfloat16)`` truncates where the GPU rounds to nearest even.
+:func:`_patch_interpreter_bf16` fixes those two builder methods for the test session so bf16 GEMMs can be
+checked on CPU. Kernels are never changed to suit the interpreter.
 """
 
 import os
@@ -14,6 +19,68 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _bf16_bits_to_f32(bits):
+    """bf16 bit patterns (numpy uint16) -> exactly equal float32 values: bf16 is the top half of an fp32."""
+    import numpy as np
+
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16_bits(x):
+    """float32 -> bf16 bit patterns, rounded to nearest even like the GPU's ``cvt.rn.bf16.f32`` (NaN stays NaN)."""
+    import numpy as np
+
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def _patch_interpreter_bf16():
+    """Make two bf16 operations of the interpreter match the GPU, for the test session only:
+
+    - ``tl.dot`` widens bf16 operands to fp32 before multiplying (exact) instead of multiplying bit patterns;
+    - the fp32 -> bf16 cast (``x.to(tl.bfloat16)``) rounds to nearest even instead of truncating.
+
+    Returns a function that undoes the patch. Does nothing when the interpreter is off.
+    """
+    import triton
+    import triton.language as tl
+
+    if not triton.knobs.runtime.interpret:
+        return lambda: None
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original_dot, original_cast = builder.create_dot, builder.cast_impl
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16:
+            a = interpreter.TensorHandle(_bf16_bits_to_f32(a.data), tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = interpreter.TensorHandle(_bf16_bits_to_f32(b.data), tl.float32)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_f32_to_bf16_bits(src.data), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+
+    def undo():
+        builder.create_dot, builder.cast_impl = original_dot, original_cast
+
+    return undo
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_bf16():
+    """Session-wide: bf16 ``tl.dot`` and fp32 -> bf16 casts behave as on the GPU under the interpreter."""
+    undo = _patch_interpreter_bf16()
+    yield
+    undo()
 
 
 def pytest_collection_modifyitems(config, items):
