@@ -83,6 +83,12 @@ def interpreter_bf16():
     undo()
 
 
+def pytest_configure(config):
+    # triton 3.6's interpreter turns 1-element arrays into ints the way numpy >= 1.25 deprecates; not ours.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning:triton.runtime.interpreter")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the H200)")
     for item in items:

@@ -1,0 +1,272 @@
+"""What this machine can run, for users and bug reports: ``python -m hopperkern.info [--json]``.
+
+:func:`collect` gathers plain JSON-able data and never raises: a probe that fails becomes the string
+``"could not collect: ..."``. :func:`render` draws it as rich tables. Everything about hardware and TMA comes
+from :func:`hopperkern.tma.capability`; everything about tuning files from :mod:`hopperkern.tuning`.
+The kernel families are described from the capability alone, so this works before (or without) importing
+any op module, with no GPU, and under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import warnings
+
+__all__ = ["collect", "main", "render"]
+
+BUG_REPORT_LINE = ("Paste this output (or `python -m hopperkern.info --json`) into bug reports: "
+                   "it says what ran and why.")
+_ENV_VARS = ("HOPPERKERN_TMA", "HOPPERKERN_CONFIG", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+_GATHER = "activations: rows gathered by token index: pointer loads (TMA gather needs sm_100)"
+# (family, what goes through TMA when it can, operands that never can on sm_90). The op name a launcher passes
+# to tma.decide() is the family's first word.
+_FAMILIES = (
+    ("matmul", "a, b and c tiles, each when eligible", None),
+    ("lce.forward", "hidden and weight tiles, each when eligible", None),
+    ("lce.backward", "hidden, weight and dlogits tiles, each when eligible", None),
+    ("moe.gemm1 (gate/up, rows gathered: pointer loads for activations, TMA for weights)",
+     "expert weights through a 3-D descriptor", _GATHER),
+    ("moe.gemm2", "sorted intermediate rows and expert weights", None),
+)
+
+
+def _failed(exc: BaseException) -> str:
+    return f"could not collect: {type(exc).__name__}: {exc}"
+
+
+def _probe(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return _failed(exc)
+
+
+def _version(module: str):
+    mod = __import__(module)
+    v = getattr(mod, "__version__", None) or getattr(mod, "VERSION", None)
+    if v is None:
+        from importlib.metadata import version
+
+        v = version(module)
+    return str(v)
+
+
+def _torch_cuda():
+    import torch
+
+    return torch.version.cuda or "none (CPU build)"
+
+
+def _capability() -> dict:
+    from . import tma
+
+    cap = tma.capability()
+    return {
+        "cuda_available": cap.cuda_available,
+        "interpreter": cap.interpreter,
+        "device_name": cap.device_name,
+        "compute_capability": ".".join(map(str, cap.compute_capability)) if cap.compute_capability else None,
+        "sm_count": cap.sm_count,
+        "triton_version": cap.triton_version,
+        "tensor_descriptors": cap.tensor_descriptors,
+        "tma": cap.tma,
+        "reasons": list(cap.reasons),
+    }
+
+
+def _tma_mode() -> str:
+    from . import tma
+
+    return tma.resolve_mode("auto")
+
+
+def _last_launch(op: str):
+    from . import tma
+
+    d = tma.last_decision(op)
+    if d is None:
+        return None
+    return {"mode": d.mode, "tma": {k: bool(v) for k, v in d.use.items()},
+            "reasons": {k: list(r) for k, r in d.reasons.items() if r and not d.use[k]}}
+
+
+def _families(cap, mode) -> list[dict]:
+    """One row per kernel family: can it use TMA here (``yes`` / ``partly`` / ``no``) and why."""
+    if isinstance(cap, str):  # the capability probe failed
+        blocked = [cap]
+    elif mode.startswith("could not collect"):
+        blocked = [f"HOPPERKERN_TMA is invalid, every op will raise: {mode.removeprefix('could not collect: ')}"]
+    elif mode == "never":
+        blocked = ["HOPPERKERN_TMA=never: pointer loads everywhere"]
+    elif not cap["tma"]:
+        blocked = list(cap["reasons"]) or ["TMA is off (no reason recorded)"]
+    else:
+        blocked = []
+    rows = []
+    for family, uses, never in _FAMILIES:
+        extra = [never] if never else []
+        if blocked:
+            row = {"family": family, "tma": "no", "why": blocked + extra}
+        else:
+            row = {"family": family, "tma": "partly" if never else "yes", "why": [uses] + extra}
+        row["last_launch"] = _probe(_last_launch, family.split()[0])
+        rows.append(row)
+    return rows
+
+
+def _tuning() -> dict:
+    from . import tuning
+
+    out = {}
+    path, looked, why = tuning.config_search()
+    out["found"] = str(path) if path is not None else None
+    out["looked_for"] = list(looked)
+    out["why"] = why
+    # The fallback warning is the ops' business; here the same facts go into the report instead.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cfg = tuning.load_config()
+        except Exception as exc:  # a malformed file: the error names the file and the field
+            out["loaded"] = None
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            return out
+    out["loaded"] = cfg.origin
+    out["error"] = None
+    out["tuned_on"] = cfg.device_name or None
+    out["tuned_with_triton"] = cfg.triton_version or None
+    out["entries"] = {"lce": sorted(cfg.lce), "moe": sorted(cfg.moe)}
+    if cfg.is_default:
+        out["hint"] = f"tune this GPU with: {tuning.TUNER_COMMAND}"
+    return out
+
+
+def collect() -> dict:
+    """Plain, JSON-able facts about this process: versions, device, TMA per kernel family, tuning file.
+
+    Never raises; a probe that fails reads ``"could not collect: <error>"``.
+    """
+    from . import __version__
+
+    cap = _probe(_capability)
+    mode = _probe(_tma_mode)
+    return {
+        "hopperkern": __version__,
+        "environment": {
+            "python": sys.version.split()[0],
+            "platform": _probe(platform.platform),
+            "torch": _probe(_version, "torch"),
+            "torch.version.cuda": _probe(_torch_cuda),
+            "triton": _probe(_version, "triton"),
+            "pydantic": _probe(_version, "pydantic"),
+            "rich": _probe(_version, "rich"),
+        },
+        "capability": cap,
+        "settings": {name: os.environ.get(name) for name in _ENV_VARS},
+        "tma_mode": mode,
+        "families": _probe(_families, cap, mode),
+        "tuning": _probe(_tuning),
+    }
+
+
+def _text(value) -> str:
+    """One table cell: data strings are escaped, because rich reads ``[tma]`` as markup and drops it."""
+    from rich.markup import escape
+
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return "\n".join(_text(v) for v in value) if value else "-"
+    return escape(str(value))
+
+
+def _launch_text(last) -> list[str]:
+    if not isinstance(last, dict):
+        return [] if last is None else [f"last launch: {last}"]
+    paths = ", ".join(f"{k}={'TMA' if v else 'pointer'}" for k, v in last["tma"].items())
+    return [f"last launch (tma={last['mode']!r}): {paths}"]
+
+
+def render(data: dict, console=None) -> None:
+    """Print :func:`collect`'s data as rich tables on ``console`` (default: stdout)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+
+    env = Table(title=f"hopperkern {_text(data.get('hopperkern'))}: environment", show_header=False)
+    env.add_column("what", style="bold")
+    env.add_column("value")
+    environment = data.get("environment")
+    for k, v in (environment.items() if isinstance(environment, dict) else [("environment", environment)]):
+        env.add_row(_text(k), _text(v))
+    cap = data.get("capability")
+    if isinstance(cap, dict):
+        cc = cap["compute_capability"]
+        env.add_row("GPU", _text(cap["device_name"] or ("none" if not cap["cuda_available"] else None)))
+        env.add_row("compute capability", _text(f"{cc} (sm_{cc.replace('.', '')})" if cc else None))
+        env.add_row("SMs", _text(cap["sm_count"]))
+        env.add_row("Triton interpreter", "on (kernels run on the CPU)" if cap["interpreter"] else "off")
+        env.add_row("tensor descriptors", _text(cap["tensor_descriptors"]))
+    else:
+        env.add_row("capability", _text(cap))
+    env.add_row("TMA mode for tma='auto'", _text(data.get("tma_mode")))
+    settings = data.get("settings")
+    for k, v in (settings.items() if isinstance(settings, dict) else [("settings", settings)]):
+        env.add_row(_text(k), _text(v if v is not None else "(unset)"))
+    console.print(env)
+
+    fam = Table(title="kernel families: TMA or pointer loads")
+    fam.add_column("family", style="bold")
+    fam.add_column("TMA")
+    fam.add_column("why")
+    families = data.get("families")
+    for row in families if isinstance(families, list) else []:
+        fam.add_row(_text(row["family"]), _text(row["tma"]),
+                    _text(row["why"] + _launch_text(row.get("last_launch"))))
+    if not isinstance(families, list):
+        fam.add_row("-", "unknown", _text(families))
+    console.print(fam)
+
+    tun = Table(title="tuning file", show_header=False)
+    tun.add_column("what", style="bold")
+    tun.add_column("value")
+    t = data.get("tuning")
+    if isinstance(t, dict):
+        tun.add_row("would load", _text(t.get("loaded") or "nothing: the file is unusable"))
+        tun.add_row("because", _text(t.get("why")))
+        tun.add_row("looked for", _text(t.get("looked_for") or "(nothing: no device name)"))
+        if t.get("error"):
+            tun.add_row("error", _text(t["error"]))
+        for key, label in (("tuned_on", "tuned on"), ("tuned_with_triton", "tuned with triton"), ("hint", "hint")):
+            if t.get(key):
+                tun.add_row(label, _text(t[key]))
+        if isinstance(t.get("entries"), dict):
+            tun.add_row("entries", f"lce: {len(t['entries']['lce'])}, moe: {len(t['entries']['moe'])}")
+    else:
+        tun.add_row("tuning", _text(t))
+    console.print(tun)
+    console.print(_text(BUG_REPORT_LINE))
+
+
+def main(argv=None) -> int:
+    """``python -m hopperkern.info [--json]``; returns the exit code (always 0: a report never fails)."""
+    ap = argparse.ArgumentParser(prog="python -m hopperkern.info", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the collected data as JSON instead of tables")
+    args = ap.parse_args(argv)
+    data = collect()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        render(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
