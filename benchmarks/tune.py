@@ -19,9 +19,12 @@ import torch
 from hopperkern import tuning
 from hopperkern.tuning import KernelConfig
 
-LCE_SHAPE = (4096, 128256)  # (H, V) of the sweep; token buckets below
-LCE_BUCKETS = (2048, 8192, 32768)
+LCE_SHAPES = ((4096, 128256), (896, 151936))  # (H, V) classes of the sweep; token buckets below
+LCE_BUCKETS = (2048, 16384)
 LCE_CANDIDATES = [
+    KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=True),
+    KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4, flatten=True),
+    KernelConfig(block_m=128, block_n=128, block_k=128, group_m=16, num_warps=8, num_stages=3),
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3),
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=32, num_warps=8, num_stages=3),
@@ -40,11 +43,16 @@ def _bench(fn, reps=3):
 
 def tune_lce(dtype=torch.bfloat16, buckets=LCE_BUCKETS, log=print) -> dict:
     """{lce_key: {bucket: KernelConfig}} for the forward and backward kernels, timed on this GPU."""
+    result: dict = {}
+    for H, V in LCE_SHAPES:
+        _tune_lce_shape(H, V, dtype, buckets, result, log)
+    return result
+
+
+def _tune_lce_shape(H, V, dtype, buckets, result, log):
     from hopperkern.lce.launch import LceOptions, lce_backward, lce_forward
 
-    H, V = LCE_SHAPE
     opts = LceOptions()
-    result: dict = {tuning.lce_key("forward", dtype): {}, tuning.lce_key("backward", dtype): {}}
     w = (torch.randn(V, H, device="cuda") * 0.5).to(dtype)
     for N in buckets:
         h = (torch.randn(N, H, device="cuda") * H**-0.5).to(dtype)
@@ -54,6 +62,8 @@ def tune_lce(dtype=torch.bfloat16, buckets=LCE_BUCKETS, log=print) -> dict:
         for phase in ("forward", "backward"):
             best = None
             for cfg in LCE_CANDIDATES:
+                if phase == "backward" and cfg.flatten:
+                    continue  # the backward kernel has no outer tile loop
                 if phase == "forward":
                     fn = lambda: lce_forward(h, w, y, None, opts, config=cfg)  # noqa: E731
                 else:
@@ -62,16 +72,15 @@ def tune_lce(dtype=torch.bfloat16, buckets=LCE_BUCKETS, log=print) -> dict:
                 try:
                     ms = _bench(fn)
                 except Exception as exc:  # out of shared memory, compile error: skip this candidate
-                    log(f"  lce {phase} N={N} {cfg.model_dump()} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                    log(f"  lce {phase} H={H} N={N} {cfg.model_dump()} failed: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
-                log(f"  lce {phase} N={N} {cfg.model_dump()} {ms:.3f} ms")
+                log(f"  lce {phase} H={H} N={N} {cfg.model_dump()} {ms:.3f} ms")
                 if best is None or ms < best[0]:
                     best = (ms, cfg)
             if best is not None:
-                result[tuning.lce_key(phase, dtype)][str(N)] = best[1]
-                log(f"lce {phase} N={N}: best {best[1].model_dump()} {best[0]:.3f} ms")
+                result.setdefault(tuning.lce_key(phase, dtype, H), {})[str(N)] = best[1]
+                log(f"lce {phase} H={H} N={N}: best {best[1].model_dump()} {best[0]:.3f} ms")
         del h, y, ent, lse, g
-    return result
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ A malformed file raises :class:`TuningFileError` naming the file and the offendi
 Layout (GEMM letters ``block_m/n/k`` follow each kernel's docstring)::
 
     {"schema_version": 1, "device_name": "NVIDIA H200", "triton_version": "3.6.0",
-     "lce": {"forward:bfloat16": {"8192": {"block_m": 128, "block_n": 256, ...}, ...}, ...},
+     "lce": {"forward:bfloat16:H4096": {"8192": {"block_m": 128, "block_n": 256, ...}, ...}, ...},
      "moe": {"E128_H2048_I768_bfloat16": {"1": {"gemm1": {...}, "gemm2": {...}}, "64": {...}}}}
 
 Both maps are keyed by token-count buckets; a lookup takes the nearest bucket on a log scale.
@@ -70,6 +70,7 @@ class KernelConfig(BaseModel):
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    flatten: bool = False  # flatten an outer tile loop with the K loop so loads pipeline across tiles
 
     @field_validator("block_m", "block_n", "block_k")
     @classmethod
@@ -129,9 +130,9 @@ def _nearest(buckets: dict, tokens: int):
     return buckets[best]
 
 
-def lce_key(phase: str, dtype) -> str:
-    """Key of an LCE entry: ``"forward:bfloat16"``, ``"backward:float16"``..."""
-    return f"{phase}:{str(dtype).replace('torch.', '')}"
+def lce_key(phase: str, dtype, hidden: int) -> str:
+    """Key of an LCE entry: ``"forward:bfloat16:H4096"`` (shape class = phase, dtype, hidden size)."""
+    return f"{phase}:{str(dtype).replace('torch.', '')}:H{int(hidden)}"
 
 
 def moe_key(E: int, H: int, I: int, dtype) -> str:  # noqa: E741 - I is the MoE intermediate size
@@ -181,9 +182,16 @@ class TuningConfig(BaseModel):
     def is_default(self) -> bool:
         return self._origin == "built-in defaults"
 
-    def lce_config(self, phase: str, dtype, tokens: int) -> Optional[KernelConfig]:
-        """Tuned LCE launch config for ``phase`` ("forward"/"backward"), nearest token bucket, or None."""
-        return _nearest(self.lce.get(lce_key(phase, dtype), {}), tokens)
+    def lce_config(self, phase: str, dtype, tokens: int, hidden: int) -> Optional[KernelConfig]:
+        """Tuned LCE launch config for ``phase`` ("forward"/"backward"): the entry of the nearest hidden size
+        (log scale) for this phase and dtype, then its nearest token bucket; None when there is none."""
+        prefix = lce_key(phase, dtype, 0)[:-1]
+        sizes = {int(k[len(prefix):]): k for k in self.lce if k.startswith(prefix) and k[len(prefix):].isdigit()}
+        if not sizes:
+            return None
+        h = max(int(hidden), 1)
+        best = min(sizes, key=lambda x: (abs(math.log(x) - math.log(h)), x))
+        return _nearest(self.lce[sizes[best]], tokens)
 
     def moe_config(self, E: int, H: int, I: int, dtype, tokens: int) -> Optional[MoeConfig]:  # noqa: E741
         """Tuned fused_moe configs for this shape and the nearest token bucket, or None."""

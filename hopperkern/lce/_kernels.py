@@ -11,7 +11,7 @@ take a descriptor or a pointer depending on a ``*_TMA`` constexpr.
 import triton
 import triton.language as tl
 
-from ..tma.jit import load_2d, store_2d, tile_source_2d
+from ..tma.jit import load_2d, load_rows, store_2d, tile_source_2d
 
 
 @triton.jit
@@ -59,28 +59,26 @@ def lce_forward_kernel(
     h_ptr,  # [N, H] fp16/bf16/fp32
     w_ptr,  # [V, H] same dtype
     b_ptr,  # [V] or dummy
-    labels_ptr,  # [N] int32/int64
     m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 per-split running max, sum exp(z-m), sum exp(z-m)*z, sum z
-    zlab_ptr,  # [N] fp32, zero-initialised: logit of the label, written by the split that holds it
     N, V, H, S, tiles_per_split,
     stride_hn, stride_hk, stride_wv, stride_wk,
     softcap, inv_temp,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
-    H_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FLATTEN: tl.constexpr, H_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Per-split online log-sum-exp statistics.
 
     Grid (cdiv(N, BLOCK_N) * S,); one program = one row block x one vocab split of ``tiles_per_split``
     BLOCK_V tiles, keeping m/s/t/sumz in registers across its tiles. Programs are ordered GROUP_N row blocks
-    per split sweep (see ``_grouped_tile``).
+    per split sweep (see ``_grouped_tile``). The label logit is not taken here (see lce_label_logit_kernel):
+    that keeps a compare-select-reduce over every tile out of the epilogue.
     """
     pid = tl.program_id(0)
     rb, split = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), S, GROUP_N)
     row0 = rb * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
 
     h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
     w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, W_TMA)
@@ -89,29 +87,30 @@ def lce_forward_kernel(
     s = tl.zeros((BLOCK_N,), tl.float32)
     t = tl.zeros((BLOCK_N,), tl.float32)
     sumz = tl.zeros((BLOCK_N,), tl.float32)
-    zlab = tl.zeros((BLOCK_N,), tl.float32)
     num_vt = tl.cdiv(V, BLOCK_V)
     vt_begin = split * tiles_per_split
     vt_end = tl.minimum(vt_begin + tiles_per_split, num_vt)
-    for vt in range(vt_begin, vt_end):
+    for vt in tl.range(vt_begin, vt_end, flatten=FLATTEN):
         col0 = vt * BLOCK_V
         z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
                          softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA,
                          DOT_PRECISION)
-        cols = col0 + tl.arange(0, BLOCK_V)
-        col_ok = cols[None, :] < V
-        # Vocab tail: TMA pads with zeros, which would be logits of 0 (verl #2656): mask them to -inf.
-        z = tl.where(col_ok, z, float("-inf"))
+        if col0 + BLOCK_V > V:
+            # Vocab tail: TMA pads with zeros, which would be logits of 0 (verl #2656): mask them to -inf,
+            # and to 0 where they are summed.
+            col_ok = (col0 + tl.arange(0, BLOCK_V))[None, :] < V
+            z = tl.where(col_ok, z, float("-inf"))
+            zv = tl.where(col_ok, z, 0.0)
+        else:
+            zv = z
         m_new = tl.maximum(m, tl.max(z, 1))
         alpha = tl.exp(m - m_new)
         e = tl.exp(z - m_new[:, None])
         s = s * alpha + tl.sum(e, 1)
-        zv = tl.where(col_ok, z, 0.0)
         if NEED_T:
             t = t * alpha + tl.sum(e * zv, 1)
         if NEED_SUMZ:
             sumz += tl.sum(zv, 1)
-        zlab += tl.sum(tl.where(cols[None, :] == labels[:, None], zv, 0.0), 1)
         m = m_new
 
     out = split.to(tl.int64) * N + rows
@@ -121,8 +120,35 @@ def lce_forward_kernel(
         tl.store(t_ptr + out, t, mask=row_ok)
     if NEED_SUMZ:
         tl.store(sumz_ptr + out, sumz, mask=row_ok)
-    lab_here = (labels >= vt_begin * BLOCK_V) & (labels < tl.minimum(vt_end * BLOCK_V, V))
-    tl.store(zlab_ptr + rows, zlab, mask=row_ok & lab_here)
+
+
+@triton.jit
+def lce_label_logit_kernel(
+    h_ptr,  # [N, H]
+    w_ptr,  # [V, H]
+    b_ptr,  # [V] or dummy
+    labels_ptr,  # [N] int
+    zlab_ptr,  # [N] fp32 out: final logit z of the label (0 where the label is ignored or out of range)
+    N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, softcap, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    """z[n, label[n]] as a row-wise dot of h[n] with the gathered row w[label[n]]. Grid (cdiv(N, BLOCK_N),).
+
+    O(N*H) work, against O(N*V*H) for the logits: cheaper than picking the label out of every tile."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    lab_ok = row_ok & (labels >= 0) & (labels < V)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        h = load_rows(h_ptr, rows, row_ok, k * BLOCK_K, H, stride_hn, stride_hk, BLOCK_K, False)
+        w = load_rows(w_ptr, labels, lab_ok, k * BLOCK_K, H, stride_wv, stride_wk, BLOCK_K, False)
+        acc += tl.sum(h.to(tl.float32) * w.to(tl.float32), 1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + labels, mask=lab_ok, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        acc = softcap * _tanh(acc / softcap)
+    tl.store(zlab_ptr + rows, tl.where(lab_ok, acc * inv_temp, 0.0), mask=row_ok)
 
 
 @triton.jit
@@ -176,45 +202,10 @@ def lce_combine_kernel(
 
 
 @triton.jit
-def lce_dlogits_kernel(
-    h_ptr,  # [N, H]
-    w_ptr,  # [V, H]
-    b_ptr,  # [V] or dummy
-    labels_ptr,  # [N] int
-    lse_ptr, ent_ptr,  # [N] fp32 from the forward (ent only read when HAS_GE)
-    gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # [N] fp32 upstream grads of loss, logprob, entropy, lse (each optional)
-    d_ptr,  # [N, ld_d] out: d loss / d (h @ w^T + b) for vocab columns col_begin .. col_begin + ncols
-    N, V, H, col_begin, ncols,
-    stride_hn, stride_hk, stride_wv, stride_wk, stride_dn,
-    ignore_index, label_smoothing, z_loss, softcap, inv_temp,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
-    H_TMA: tl.constexpr, W_TMA: tl.constexpr, D_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Gradient w.r.t. the raw logits of one vocab slice, recomputed tile by tile.
-
-    Grid (cdiv(N, BLOCK_N) * cdiv(ncols, BLOCK_V),); one program = one [BLOCK_N, BLOCK_V] tile. With p the
-    softmax of z and E = E_p[z] = lse - entropy, the gradient w.r.t. z is
-        dz = p * (A + B z) + C [j == label] + D,
-        A = kept (g_loss (1 + 2 z_loss lse) - g_logprob) + g_entropy E + g_lse,   B = -g_entropy,
-        C = kept (g_logprob - g_loss (1 - eps)),                                 D = -kept g_loss eps / V,
-    then d raw = dz / temperature * (1 - tanh^2) (the tanh factor only with softcap).
-    """
-    tl.static_assert(BLOCK_V >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
-    pid = tl.program_id(0)
-    rb, vt = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(ncols, BLOCK_V), GROUP_N)
-    row0 = rb * BLOCK_N
-    col0 = col_begin + vt * BLOCK_V
-    rows = row0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    cols = col0 + tl.arange(0, BLOCK_V)
-
-    h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
-    w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, W_TMA)
-    z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
-                     softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA, DOT_PRECISION)
-
+def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr, ignore_index,
+                      label_smoothing, z_loss, V, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
+                      HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr):
+    """Per-token coefficients of dz = p (A + B z) + C [j == label] + D (see lce_dlogits_kernel)."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = (labels != ignore_index).to(tl.float32)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -238,10 +229,54 @@ def lce_dlogits_kernel(
         b -= ge
     if HAS_GZ:
         a += tl.load(gz_ptr + rows, mask=row_ok, other=0.0)
+    return labels, lse, a, b, c, d
 
+
+@triton.jit
+def lce_dlogits_kernel(
+    h_ptr,  # [N, H]
+    w_ptr,  # [V, H]
+    b_ptr,  # [V] or dummy
+    labels_ptr,  # [N] int
+    lse_ptr, ent_ptr,  # [N] fp32 from the forward (ent only read when HAS_GE)
+    gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # [N] fp32 upstream grads of loss, logprob, entropy, lse (each optional)
+    d_ptr,  # [N, ld_d] out: d loss / d (h @ w^T + b) for vocab columns col_begin .. col_begin + ncols
+    N, V, H, col_begin, ncols,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_dn,
+    ignore_index, label_smoothing, z_loss, softcap, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
+    H_TMA: tl.constexpr, W_TMA: tl.constexpr, D_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Gradient w.r.t. the raw logits of one vocab slice, recomputed tile by tile, WITHOUT the one-hot term.
+
+    Grid (cdiv(N, BLOCK_N) * cdiv(ncols, BLOCK_V),); one program = one [BLOCK_N, BLOCK_V] tile. With p the
+    softmax of z and E = E_p[z] = lse - entropy, the gradient w.r.t. z is
+        dz = p * (A + B z) + C [j == label] + D,
+        A = kept (g_loss (1 + 2 z_loss lse) - g_logprob) + g_entropy E + g_lse,   B = -g_entropy,
+        C = kept (g_logprob - g_loss (1 - eps)),                                 D = -kept g_loss eps / V,
+    then d raw = dz / temperature * (1 - tanh^2) (the tanh factor only with softcap). The C term touches one
+    column per row; lce_onehot_kernel adds it afterwards, keeping a compare-select out of every tile.
+    """
+    tl.static_assert(BLOCK_V >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    pid = tl.program_id(0)
+    rb, vt = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(ncols, BLOCK_V), GROUP_N)
+    row0 = rb * BLOCK_N
+    col0 = col_begin + vt * BLOCK_V
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+
+    h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
+    w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, W_TMA)
+    z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                     softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA, DOT_PRECISION)
+    _, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
+                                           gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
+                                           HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+    # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
     p = tl.exp(z - lse[:, None])
-    dz = p * (a[:, None] + b[:, None] * z) + tl.where(cols[None, :] == labels[:, None], c[:, None], 0.0) + d[:, None]
-    dz = dz * inv_temp
+    dz = p * ((a * inv_temp)[:, None] + (b * inv_temp)[:, None] * z) + (d * inv_temp)[:, None]
     if SOFTCAP:
         th = z / (softcap * inv_temp)
         dz = dz * (1.0 - th * th)
@@ -249,3 +284,30 @@ def lce_dlogits_kernel(
     # Columns >= ncols (and rows >= N) are clipped by the store on both paths.
     store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, vt * BLOCK_V, N, ncols, stride_dn, 1, BLOCK_N, BLOCK_V,
              D_TMA)
+
+
+@triton.jit
+def lce_onehot_kernel(
+    labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # as in lce_dlogits_kernel
+    zlab_ptr,  # [N] fp32 final logit of the label (only read with SOFTCAP)
+    d_ptr,  # [N, ld_d] the slice written by lce_dlogits_kernel; updated in place
+    N, V, col_begin, ncols, stride_dn, ignore_index, label_smoothing, z_loss, softcap, inv_temp,
+    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
+):
+    """Add the one-hot term C / temperature (* (1 - tanh^2) at the label) to d[n, label[n] - col_begin] for the
+    labels inside this slice. Grid (cdiv(N, BLOCK_N),); each row touches at most one element."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
+                                                gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
+                                                HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+    col = labels - col_begin
+    here = row_ok & (labels != ignore_index) & (col >= 0) & (col < ncols)
+    add = c * inv_temp
+    if SOFTCAP:
+        th = tl.load(zlab_ptr + rows, mask=here, other=0.0) / (softcap * inv_temp)
+        add = add * (1.0 - th * th)
+    ptrs = d_ptr + rows.to(tl.int64) * stride_dn + col
+    old = tl.load(ptrs, mask=here, other=0.0).to(tl.float32)
+    tl.store(ptrs, (old + add).to(d_ptr.dtype.element_ty), mask=here)

@@ -23,13 +23,21 @@ from .. import tma as _tma
 from .. import tuning as _tuning
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_float, check_same_device, check_same_dtype
 from ..tuning import KernelConfig
-from ._kernels import lce_combine_kernel, lce_dlogits_kernel, lce_forward_kernel
+from ._kernels import (
+    lce_combine_kernel,
+    lce_dlogits_kernel,
+    lce_forward_kernel,
+    lce_label_logit_kernel,
+    lce_onehot_kernel,
+)
 
 __all__ = ["LceOptions", "lce_forward", "lce_backward", "check_labels", "validate_inputs", "forward_plan"]
 
 DLOGITS_BUDGET = 128 * 2**20  # bytes of the per-slice d(logits) buffer
 STATS_BUDGET = 8 * 2**20  # bytes of the forward's per-split statistics (4 fp32 [S, N] arrays)
 _COMBINE_BLOCK = 128
+_ROW_BLOCK = 32  # rows per program of the O(N*H) label-logit kernel
+_ROW_BLOCK_K = 128
 
 
 @dataclass(frozen=True)
@@ -113,11 +121,11 @@ def _default_config(dtype) -> KernelConfig:
     return KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3)
 
 
-def pick_config(phase: str, dtype, N: int) -> KernelConfig:
+def pick_config(phase: str, dtype, N: int, H: int) -> KernelConfig:
     """Launch config for ``phase`` ("forward"/"backward"): the GPU's tuning file, else built-in defaults."""
     if _tma.interpreter_active():
         return _interp_config()
-    cfg = _tuning.load_config().lce_config(phase, dtype, N)
+    cfg = _tuning.load_config().lce_config(phase, dtype, N, H)
     return cfg if cfg is not None else _default_config(dtype)
 
 
@@ -163,7 +171,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     loss, logprob, entropy, lse = (torch.zeros(N, **f32) for _ in range(4))
     if N == 0:
         return loss, logprob, entropy, lse
-    cfg = config or pick_config("forward", hidden2d.dtype, N)
+    cfg = config or pick_config("forward", hidden2d.dtype, N, H)
     d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
                                "weight": (weight, (cfg.block_n, cfg.block_k))}, op="lce.forward")
     S, tps = forward_plan(N, V, cfg, _sm_count(dev))
@@ -172,15 +180,22 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     s = torch.empty((S, N), **f32)
     t = torch.empty((S, N), **f32) if need_entropy else m
     sumz = torch.empty((S, N), **f32) if need_sumz else m
-    zlab = torch.zeros(N, **f32)
+    zlab = torch.empty(N, **f32)
+    has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
+    b_arg = bias if has_bias else weight
+    lce_label_logit_kernel[(triton.cdiv(N, _ROW_BLOCK),)](
+        hidden2d, weight, b_arg, labels1d, zlab, N, V, H, hidden2d.stride(0), hidden2d.stride(1),
+        weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
+        BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
+    )
     grid = (triton.cdiv(N, cfg.block_m) * S,)
     lce_forward_kernel[grid](
-        hidden2d, weight, bias if bias is not None else weight, labels1d, m, s, t, sumz, zlab,
+        hidden2d, weight, b_arg, m, s, t, sumz,
         N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
-        float(opts.softcap or 1.0), opts.inv_temp,
+        softcap, opts.inv_temp,
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
-        HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
-        H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=_dot_precision(hidden2d.dtype),
+        HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
+        FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=_dot_precision(hidden2d.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     lce_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
@@ -209,11 +224,12 @@ def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
-                 opts: LceOptions, *, need_weight_grad: bool = True, need_hidden_grad: bool = True,
+                 opts: LceOptions, *, zlab=None, need_weight_grad: bool = True, need_hidden_grad: bool = True,
                  config: KernelConfig | None = None):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the input dtype.
 
-    ``g_*`` are fp32 [N] upstream gradients of the forward's per-token outputs, or None for zero.
+    ``g_*`` are fp32 [N] upstream gradients of the forward's per-token outputs, or None for zero. ``zlab``
+    (fp32 [N], the label's final logit, ``logprob + lse``) is needed only with softcap.
     Extra memory: fp32 [N, H] for d_hidden's sum over vocab slices plus one [N, Vs] d(logits) slice
     (<= ``DLOGITS_BUDGET`` bytes).
     """
@@ -225,7 +241,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
         d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
         return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
-    cfg = config or pick_config("backward", dt, N)
+    cfg = config or pick_config("backward", dt, N, H)
     vs = _slice_cols(N, V, cfg.block_n, hidden2d.element_size())
     ld = triton.cdiv(vs, 64) * 64  # row pitch of the slice buffer: 128-byte aligned rows for TMA stores
     dbuf = torch.empty((N, ld), dtype=dt, device=dev)
@@ -233,24 +249,28 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
                                "weight": (weight, (cfg.block_n, cfg.block_k)),
                                "dlogits": (dbuf, (cfg.block_m, cfg.block_n))}, op="lce.backward")
     acc_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
-    dummy = lse
+    if opts.softcap and zlab is None:
+        raise ValueError("zlab must be given when softcap is set")
+    grads = [g if g is not None else lse for g in (g_loss, g_logprob, g_entropy, g_lse)]
+    flags = dict(HAS_GL=g_loss is not None, HAS_GP=g_logprob is not None, HAS_GE=g_entropy is not None,
+                 HAS_GZ=g_lse is not None)
+    scal = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+            opts.inv_temp)
+    b_arg = bias if bias is not None else weight
     for col_begin in range(0, V, vs):
         ncols = min(vs, V - col_begin)
         grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(ncols, cfg.block_n),)
         lce_dlogits_kernel[grid](
-            hidden2d, weight, bias if bias is not None else weight, labels1d, lse, entropy,
-            g_loss if g_loss is not None else dummy, g_logprob if g_logprob is not None else dummy,
-            g_entropy if g_entropy is not None else dummy, g_lse if g_lse is not None else dummy,
-            dbuf, N, V, H, col_begin, ncols,
-            hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0),
-            opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
-            opts.inv_temp,
+            hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf, N, V, H, col_begin, ncols,
+            hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
             BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
-            HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap),
-            HAS_GL=g_loss is not None, HAS_GP=g_logprob is not None, HAS_GE=g_entropy is not None,
-            HAS_GZ=g_lse is not None,
+            HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), **flags,
             H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=_dot_precision(dt),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        lce_onehot_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
+            labels1d, lse, entropy, *grads, zlab if zlab is not None else lse, dbuf, N, V, col_begin, ncols,
+            dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=bool(opts.softcap), **flags,
         )
         dl = dbuf[:, :ncols]
         if need_weight_grad:

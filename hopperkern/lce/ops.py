@@ -39,21 +39,21 @@ def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softc
 
 @torch.library.custom_op("hopperkern::lce_backward", mutates_args=())
 def lce_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
-                    entropy: Tensor, g_loss: Optional[Tensor], g_logprob: Optional[Tensor],
+                    entropy: Tensor, zlab: Tensor, g_loss: Optional[Tensor], g_logprob: Optional[Tensor],
                     g_entropy: Optional[Tensor], g_lse: Optional[Tensor], ignore_index: int, label_smoothing: float,
                     z_loss: float, softcap: float, temperature: float, tma: str, need_hidden_grad: bool,
                     need_weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias); a gradient that is not needed comes back as an empty tensor."""
     opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
     g = [x.float().contiguous() if x is not None else None for x in (g_loss, g_logprob, g_entropy, g_lse)]
-    dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts,
+    dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, zlab=zlab,
                               need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
     empty = hidden.new_empty((0,))
     return (dh if dh is not None else empty, dw if dw is not None else empty, db if db is not None else empty)
 
 
 @lce_backward_op.register_fake
-def _(hidden, weight, labels, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse, ignore_index,
+def _(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_entropy, g_lse, ignore_index,
       label_smoothing, z_loss, softcap, temperature, tma, need_hidden_grad, need_weight_grad):
     dh = torch.empty_like(hidden) if need_hidden_grad else hidden.new_empty((0,))
     dw = weight.new_empty(weight.shape) if need_weight_grad else hidden.new_empty((0,))
@@ -63,18 +63,19 @@ def _(hidden, weight, labels, bias, lse, entropy, g_loss, g_logprob, g_entropy, 
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, _, _ = inputs
-    _, _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
+    _, logprob, entropy, lse = output
+    # The label's final logit (for the softcap factor of the one-hot term): logprob = z_label - lse.
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy, logprob)
     ctx.opts = (ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
 
 
 def _backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
-    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    hidden, weight, labels, bias, lse, entropy, logprob = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = bias is not None and ctx.needs_input_grad[3]
     if not (need_h or need_w or need_b):
         return (None,) * 12
-    dh, dw, db = lce_backward_op(hidden, weight, labels, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
+    dh, dw, db = lce_backward_op(hidden, weight, labels, bias, lse, entropy, logprob + lse, g_loss, g_logprob, g_entropy, g_lse,
                                  *ctx.opts, need_h, need_w)
     return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 8
 

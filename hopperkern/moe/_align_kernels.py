@@ -1,0 +1,177 @@
+"""Triton kernels of the MoE alignment plan (see :mod:`hopperkern.moe.align` for the layout they produce).
+
+Slots are the flattened ``topk_ids`` positions ``s = t * top_k + j``. The slots are cut into chunks of
+``CHUNK`` (a power of two); a slot's *bin* is its expert, or ``E`` when it is dropped (id -1, an id outside
+``[0, E)``, or the chunk tail past the last slot). ``E_P`` (power of two, > E, >= 32) is the histogram width.
+
+Two launch shapes share the same helpers:
+
+- small (one chunk, ``num_slots <= CHUNK``): ONE program does everything (decode: one launch);
+- large: count (grid = chunks) -> scan (one program) -> scatter (grid = chunks) -> blocks (grid = block tiles).
+
+Ordering is deterministic: inside an expert, slots appear in increasing slot order (a per-chunk sort of
+``bin * CHUNK + local index``, then per-(chunk, expert) bases from an exclusive scan over chunks).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _slot_bins(ids_ptr, chunk, num_slots, E, CHUNK: tl.constexpr):
+    """Bin of each slot of ``chunk``: its expert, or E for a dropped / out-of-range id or the chunk tail."""
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
+    return tl.where((e >= 0) & (e < E), e, E)
+
+
+@triton.jit
+def _expert_layout(tot, BLOCK_M: tl.constexpr):
+    """Padded segment of every expert from its slot count ``tot`` [E_P] (zero for bins >= E).
+
+    Returns (starts, ends): expert e owns sorted rows [starts[e], ends[e]), a multiple of BLOCK_M long."""
+    padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    return ends - padded, ends
+
+
+@triton.jit
+def _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E, BLOCK_M: tl.constexpr,
+                  E_P: tl.constexpr):
+    """expert_offsets[0..E] (starts[E] is the padded total, since bins >= E are empty), counts, block count."""
+    ex = tl.arange(0, E_P)
+    tl.store(offsets_ptr + ex, starts, mask=ex <= E)
+    tl.store(counts_ptr + ex, tot, mask=ex < E)
+    tl.store(num_blocks_ptr, tl.max(ends, 0) // BLOCK_M)
+
+
+@triton.jit
+def _scatter_chunk(bins, chunk, base_row_ptr, sorted_ptr, E, CHUNK: tl.constexpr):
+    """Write the slot ids of one chunk to their sorted rows.
+
+    ``base_row_ptr[e]`` = first sorted row of this chunk's expert-e slots minus the number of this chunk's
+    slots with a smaller expert, so a slot at position p of the chunk sorted by (bin, index) goes to
+    ``base[e] + p``."""
+    local = tl.arange(0, CHUNK)
+    keys = tl.sort(bins * CHUNK + local)
+    b = keys // CHUNK
+    keep = b < E
+    dest = tl.load(base_row_ptr + b, mask=keep, other=0) + local
+    tl.store(sorted_ptr + dest, chunk * CHUNK + (keys - b * CHUNK), mask=keep)
+
+
+@triton.jit
+def _fill_blocks(tile, starts, ends, tot, block_expert_ptr, sorted_ptr, max_blocks, num_slots, E,
+                 BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, E_P: tl.constexpr):
+    """Blocks tile*BLOCK_B.. : their expert (-1 past the last block) and the sentinel ``num_slots`` in the
+    padding rows at the end of each expert's segment. Real rows are left to the scatter (disjoint writes)."""
+    blocks = tile * BLOCK_B + tl.arange(0, BLOCK_B)
+    ex = tl.arange(0, E_P)
+    row0 = blocks * BLOCK_M
+    # The block's expert = number of experts whose segment ends at or before the block's first row (empty
+    # experts have ends == starts, so they are skipped correctly).
+    before = (ends[None, :] <= row0[:, None]) & (ex[None, :] < E)
+    e_blk = tl.sum(before.to(tl.int32), axis=1)
+    live = (e_blk < E) & (blocks < max_blocks)
+    tl.store(block_expert_ptr + blocks, tl.where(e_blk < E, e_blk, -1), mask=blocks < max_blocks)
+    fill_from = tl.sum(tl.where(ex[None, :] == e_blk[:, None], (starts + tot)[None, :], 0), axis=1)
+    rows = row0[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    pad = live[:, None] & (rows >= fill_from[:, None])
+    tl.store(sorted_ptr + rows, tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_slots, mask=pad)
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr,          # [num_slots] int32/int64, flattened topk_ids
+    sorted_ptr,       # [max_blocks * BLOCK_M] int32 out: slot per sorted row, sentinel num_slots in padding
+    block_expert_ptr, # [max_blocks] int32 out: expert of each block, -1 past the last one
+    offsets_ptr,      # [E + 1] int32 out: first sorted row of each expert; offsets[E] = padded total
+    counts_ptr,       # [E] int32 out: real slots per expert
+    num_blocks_ptr,   # [1] int32 out: number of live blocks
+    base_ptr,         # [E_P] int32 scratch: per-expert scatter base
+    num_slots, E, max_blocks,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_P: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Whole plan in one program (grid (1,)) when all slots fit in one chunk: decode is a single launch."""
+    ex = tl.arange(0, E_P)
+    bins = _slot_bins(ids_ptr, 0, num_slots, E, CHUNK)
+    tot = tl.where(ex < E, tl.histogram(bins, E_P), 0)
+    starts, ends = _expert_layout(tot, BLOCK_M)
+    _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E, BLOCK_M, E_P)
+    tl.store(base_ptr + ex, starts - (tl.cumsum(tot, 0) - tot))
+    # The scatter below reads base_ptr at data-dependent bins written by other threads of this program.
+    tl.debug_barrier()
+    _scatter_chunk(bins, 0, base_ptr, sorted_ptr, E, CHUNK)
+    for tile in range(0, tl.cdiv(max_blocks, BLOCK_B)):
+        _fill_blocks(tile, starts, ends, tot, block_expert_ptr, sorted_ptr, max_blocks, num_slots, E,
+                     BLOCK_M, BLOCK_B, E_P)
+
+
+@triton.jit
+def _align_count_kernel(
+    ids_ptr,          # [num_slots] int32/int64
+    chunk_counts_ptr, # [num_chunks, E_P] int32 out: histogram of bins per chunk
+    num_slots, E,
+    CHUNK: tl.constexpr, E_P: tl.constexpr,
+):
+    """Grid (num_chunks,); one program = the bin histogram of one chunk."""
+    c = tl.program_id(0)
+    bins = _slot_bins(ids_ptr, c, num_slots, E, CHUNK)
+    tl.store(chunk_counts_ptr + c * E_P + tl.arange(0, E_P), tl.histogram(bins, E_P))
+
+
+@triton.jit
+def _align_scan_kernel(
+    chunk_counts_ptr, # [num_chunks, E_P] int32
+    base_ptr,         # [num_chunks, E_P] int32 out: per-(chunk, expert) scatter base
+    offsets_ptr,      # [E + 1] int32 out
+    counts_ptr,       # [E] int32 out
+    num_blocks_ptr,   # [1] int32 out
+    num_chunks, E,
+    BLOCK_M: tl.constexpr, E_P: tl.constexpr,
+):
+    """Grid (1,): expert totals, padded segments, then an exclusive scan over chunks for the bases."""
+    ex = tl.arange(0, E_P)
+    tot = tl.zeros((E_P,), dtype=tl.int32)
+    for c in range(0, num_chunks):
+        tot += tl.load(chunk_counts_ptr + c * E_P + ex)
+    tot = tl.where(ex < E, tot, 0)
+    starts, ends = _expert_layout(tot, BLOCK_M)
+    _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E, BLOCK_M, E_P)
+    running = starts
+    for c in range(0, num_chunks):
+        row = tl.where(ex < E, tl.load(chunk_counts_ptr + c * E_P + ex), 0)
+        tl.store(base_ptr + c * E_P + ex, running - (tl.cumsum(row, 0) - row))
+        running += row
+
+
+@triton.jit
+def _align_scatter_kernel(
+    ids_ptr,          # [num_slots] int32/int64
+    base_ptr,         # [num_chunks, E_P] int32
+    sorted_ptr,       # [max_blocks * BLOCK_M] int32 out
+    num_slots, E,
+    CHUNK: tl.constexpr, E_P: tl.constexpr,
+):
+    """Grid (num_chunks,); one program writes the sorted rows of one chunk's slots."""
+    c = tl.program_id(0)
+    bins = _slot_bins(ids_ptr, c, num_slots, E, CHUNK)
+    _scatter_chunk(bins, c, base_ptr + c * E_P, sorted_ptr, E, CHUNK)
+
+
+@triton.jit
+def _align_blocks_kernel(
+    offsets_ptr,      # [E + 1] int32
+    counts_ptr,       # [E] int32
+    block_expert_ptr, # [max_blocks] int32 out
+    sorted_ptr,       # [max_blocks * BLOCK_M] int32 out (padding rows only)
+    max_blocks, num_slots, E,
+    BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, E_P: tl.constexpr,
+):
+    """Grid (cdiv(max_blocks, BLOCK_B),); one program = expert ids and padding sentinels of BLOCK_B blocks."""
+    ex = tl.arange(0, E_P)
+    starts = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
+    tot = tl.load(counts_ptr + ex, mask=ex < E, other=0)
+    ends = tl.load(offsets_ptr + ex + 1, mask=ex < E, other=0)
+    _fill_blocks(tl.program_id(0), starts, ends, tot, block_expert_ptr, sorted_ptr, max_blocks, num_slots, E,
+                 BLOCK_M, BLOCK_B, E_P)

@@ -1,0 +1,134 @@
+"""Token-to-expert alignment: which sorted row of the grouped GEMMs holds which (token, top-k) slot.
+
+``moe_align(topk_ids, num_experts, block_m)`` returns an :class:`AlignPlan`. Slots are the flattened
+positions of ``topk_ids`` [T, k]: slot ``s = t * k + j`` is token ``t``'s ``j``-th choice. The plan lays the
+slots out expert by expert, each expert's segment padded to a multiple of ``block_m`` so one GEMM row block
+never mixes experts::
+
+    sorted_slots[r]   slot at sorted row r, for r < num_padded = expert_offsets[E]; padding rows hold the
+                      sentinel num_slots (= T * k); rows >= num_padded are not written
+    block_expert[b]   expert of row block b (rows b*block_m ...), -1 for b >= num_blocks
+    expert_offsets[e] first sorted row of expert e; expert_offsets[E] = num_padded
+    expert_counts[e]  real slots routed to expert e
+    num_blocks        int32 [1] on the device: num_padded // block_m
+
+Inside an expert, slots appear in increasing slot order, so the plan is deterministic. Slots with id -1 (the
+expert-parallel "not on this rank" marker) are dropped; so are ids outside ``[0, E)`` (callers validate ids
+first: :func:`hopperkern.moe.fused_moe` does, unless ``check_ids=False``).
+
+Nothing here synchronises with the host: buffers have worst-case sizes computed from shapes only
+(``max_blocks = (T*k + min(E, T*k) * (block_m - 1)) // block_m``), and the GEMM programs past the real block
+count exit after reading ``num_blocks``. So the plan (and a decode-size fused_moe) can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._align_kernels import (
+    _align_blocks_kernel,
+    _align_count_kernel,
+    _align_scan_kernel,
+    _align_scatter_kernel,
+    _align_small_kernel,
+)
+
+__all__ = ["AlignPlan", "max_blocks_for", "moe_align"]
+
+_SMALL_MAX_SLOTS = 1024  # up to this many slots, one program builds the whole plan (one launch)
+_CHUNK = 4096            # slots per program of the multi-program path
+_BLOCK_B = 16            # row blocks per program when filling block_expert and padding
+
+
+@dataclass(frozen=True)
+class AlignPlan:
+    """Sorted, block-padded layout of the (token, top-k) slots; see the module docstring for each field."""
+
+    sorted_slots: torch.Tensor    # [max_blocks * block_m] int32
+    block_expert: torch.Tensor    # [max_blocks] int32
+    expert_offsets: torch.Tensor  # [E + 1] int32
+    expert_counts: torch.Tensor   # [E] int32
+    num_blocks: torch.Tensor      # [1] int32 (device)
+    block_m: int
+    max_blocks: int
+    num_slots: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def sentinel(self) -> int:
+        """Value of the padding rows in ``sorted_slots`` (one past the last slot)."""
+        return self.num_slots
+
+    @property
+    def max_rows(self) -> int:
+        return self.max_blocks * self.block_m
+
+
+def max_blocks_for(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Worst-case number of row blocks: every non-empty expert wastes at most ``block_m - 1`` padding rows,
+    and at most ``min(E, num_slots)`` experts are non-empty."""
+    return (num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
+    """Build the :class:`AlignPlan` of ``topk_ids`` [T, k] (int32/int64) for ``num_experts`` experts and row
+    blocks of ``block_m`` (a power of two >= 16). One launch when T*k <= 1024, four otherwise; no host sync."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D, got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {str(topk_ids.dtype).replace('torch.', '')}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    T, k = topk_ids.shape
+    E = int(num_experts)
+    num_slots = T * k
+    dev = topk_ids.device
+    max_blocks = max_blocks_for(num_slots, E, block_m)
+    i32 = dict(dtype=torch.int32, device=dev)
+    plan = AlignPlan(
+        sorted_slots=torch.empty(max_blocks * block_m, **i32),
+        block_expert=torch.empty(max_blocks, **i32),
+        expert_offsets=torch.empty(E + 1, **i32),
+        expert_counts=torch.empty(E, **i32),
+        num_blocks=torch.empty(1, **i32),
+        block_m=block_m, max_blocks=max_blocks, num_slots=num_slots, top_k=k, num_experts=E,
+    )
+    if num_slots == 0:
+        plan.expert_offsets.zero_()
+        plan.expert_counts.zero_()
+        plan.num_blocks.zero_()
+        return plan
+    ids = topk_ids.reshape(-1)  # a copy only for non-contiguous ids: T*k integers, never large
+    e_p = _pow2_at_least(E + 1, 32)  # histogram bins: one per expert plus the "dropped" bin E; >= warp size
+    if num_slots <= _SMALL_MAX_SLOTS:
+        chunk = _pow2_at_least(num_slots, 128)
+        base = torch.empty(e_p, **i32)
+        _align_small_kernel[(1,)](
+            ids, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.expert_counts, plan.num_blocks,
+            base, num_slots, E, max_blocks,
+            BLOCK_M=block_m, CHUNK=chunk, E_P=e_p, BLOCK_B=_BLOCK_B, num_warps=4,
+        )
+        return plan
+    num_chunks = triton.cdiv(num_slots, _CHUNK)
+    chunk_counts = torch.empty((num_chunks, e_p), **i32)
+    base = torch.empty((num_chunks, e_p), **i32)
+    _align_count_kernel[(num_chunks,)](ids, chunk_counts, num_slots, E, CHUNK=_CHUNK, E_P=e_p, num_warps=8)
+    _align_scan_kernel[(1,)](chunk_counts, base, plan.expert_offsets, plan.expert_counts, plan.num_blocks,
+                             num_chunks, E, BLOCK_M=block_m, E_P=e_p, num_warps=4)
+    _align_scatter_kernel[(num_chunks,)](ids, base, plan.sorted_slots, num_slots, E, CHUNK=_CHUNK, E_P=e_p,
+                                         num_warps=8)
+    _align_blocks_kernel[(triton.cdiv(max_blocks, _BLOCK_B),)](
+        plan.expert_offsets, plan.expert_counts, plan.block_expert, plan.sorted_slots, max_blocks, num_slots, E,
+        BLOCK_M=block_m, BLOCK_B=_BLOCK_B, E_P=e_p, num_warps=4,
+    )
+    return plan
