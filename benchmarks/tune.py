@@ -62,8 +62,6 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log):
         for phase in ("forward", "backward"):
             best = None
             for cfg in LCE_CANDIDATES:
-                if phase == "backward" and cfg.flatten:
-                    continue  # the backward kernel has no outer tile loop
                 if phase == "forward":
                     fn = lambda: lce_forward(h, w, y, None, opts, config=cfg)  # noqa: E731
                 else:

@@ -247,11 +247,13 @@ def lce_dlogits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     H_TMA: tl.constexpr, W_TMA: tl.constexpr, D_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Gradient w.r.t. the raw logits of one vocab slice, recomputed tile by tile, WITHOUT the one-hot term.
 
-    Grid (cdiv(N, BLOCK_N) * cdiv(ncols, BLOCK_V),); one program = one [BLOCK_N, BLOCK_V] tile. With p the
+    Persistent grid (NUM_PROGRAMS,); each program loops over [BLOCK_N, BLOCK_V] tiles pid, pid + NUM_PROGRAMS,
+    ... in grouped order. With p the
     softmax of z and E = E_p[z] = lse - entropy, the gradient w.r.t. z is
         dz = p * (A + B z) + C [j == label] + D,
         A = kept (g_loss (1 + 2 z_loss lse) - g_logprob) + g_entropy E + g_lse,   B = -g_entropy,
@@ -260,30 +262,34 @@ def lce_dlogits_kernel(
     column per row; lce_onehot_kernel adds it afterwards, keeping a compare-select out of every tile.
     """
     tl.static_assert(BLOCK_V >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
-    pid = tl.program_id(0)
-    rb, vt = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(ncols, BLOCK_V), GROUP_N)
-    row0 = rb * BLOCK_N
-    col0 = col_begin + vt * BLOCK_V
-    rows = row0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-
     h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
     w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, W_TMA)
-    z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
-                     softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA, DOT_PRECISION)
-    _, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
-                                           gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
-                                           HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
-    # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
-    p = tl.exp(z - lse[:, None])
-    dz = p * ((a * inv_temp)[:, None] + (b * inv_temp)[:, None] * z) + (d * inv_temp)[:, None]
-    if SOFTCAP:
-        th = z / (softcap * inv_temp)
-        dz = dz * (1.0 - th * th)
     d_dst = tile_source_2d(d_ptr, N, ncols, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
-    # Columns >= ncols (and rows >= N) are clipped by the store on both paths.
-    store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, vt * BLOCK_V, N, ncols, stride_dn, 1, BLOCK_N, BLOCK_V,
-             D_TMA)
+    num_rb = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_rb * tl.cdiv(ncols, BLOCK_V)
+    # Persistent: NUM_PROGRAMS programs stride over the tiles; with FLATTEN the compiler pipelines the next
+    # tile's loads under this tile's epilogue.
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        rb, vt = _grouped_tile(tile, num_rb, tl.cdiv(ncols, BLOCK_V), GROUP_N)
+        row0 = rb * BLOCK_N
+        col0 = col_begin + vt * BLOCK_V
+        rows = row0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                         softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA,
+                         DOT_PRECISION)
+        _, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
+                                               gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
+                                               HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+        # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
+        p = tl.exp(z - lse[:, None])
+        dz = p * ((a * inv_temp)[:, None] + (b * inv_temp)[:, None] * z) + (d * inv_temp)[:, None]
+        if SOFTCAP:
+            th = z / (softcap * inv_temp)
+            dz = dz * (1.0 - th * th)
+        # Columns >= ncols (and rows >= N) are clipped by the store on both paths.
+        store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, vt * BLOCK_V, N, ncols, stride_dn, 1, BLOCK_N,
+                 BLOCK_V, D_TMA)
 
 
 @triton.jit

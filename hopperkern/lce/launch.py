@@ -257,14 +257,16 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     scal = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
             opts.inv_temp)
     b_arg = bias if bias is not None else weight
+    sms = _sm_count(dev)
     for col_begin in range(0, V, vs):
         ncols = min(vs, V - col_begin)
-        grid = (triton.cdiv(N, cfg.block_m) * triton.cdiv(ncols, cfg.block_n),)
-        lce_dlogits_kernel[grid](
+        num_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(ncols, cfg.block_n)
+        progs = min(num_tiles, sms)
+        lce_dlogits_kernel[(progs,)](
             hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf, N, V, H, col_begin, ncols,
             hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
             BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
-            HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), **flags,
+            HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), **flags, NUM_PROGRAMS=progs, FLATTEN=cfg.flatten,
             H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=_dot_precision(dt),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
