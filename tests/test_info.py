@@ -169,10 +169,10 @@ def test_tuning_file_in_use(tmp_path, monkeypatch):
 
 def test_tuning_file_error_is_reported(tmp_path, monkeypatch):
     p = tmp_path / "broken.json"
-    p.write_text('{"schema_version": 1, "lce": {"forward:bfloat16": {"64": {"block_m": 48}}}}')
+    p.write_text('{"schema_version": 1, "lce": {"forward:bfloat16:H4096": {"64": {"block_m": 48}}}}')
     monkeypatch.setenv("HOPPERKERN_CONFIG", str(p))
     t = info.collect()["tuning"]
     assert t["loaded"] is None
-    assert t["error"].startswith(f"TuningFileError: {p}: field 'lce.forward:bfloat16.64.block_m'")
+    assert t["error"].startswith(f"TuningFileError: {p}: field 'lce.forward:bfloat16:H4096.64.block_m'")
     text = _rendered(info.collect())
     assert "nothing: the file is unusable" in text and "block_m must be a power of two, got 48" in text

@@ -24,12 +24,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 K64 = {"block_m": 64, "block_n": 128, "block_k": 64, "group_m": 8, "num_warps": 4, "num_stages": 3}
 K128 = {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8, "num_warps": 8, "num_stages": 3}
+K_SMALL_H = {"block_m": 64, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}
+LCE_KEY = "forward:bfloat16:H4096"
 MOE_KEY = "E128_H2048_I768_bfloat16"
 VALID = {
     "schema_version": 1,
     "device_name": "NVIDIA H200",
     "triton_version": "3.6.0",
-    "lce": {"forward:bfloat16": {"1": K64, "64": K64, "4096": K128}},
+    "lce": {LCE_KEY: {"1": K64, "64": K64, "4096": K128}, "forward:bfloat16:H1024": {"64": K_SMALL_H}},
     "moe": {MOE_KEY: {"1": {"gemm1": K64, "gemm2": K64}, "4096": {"gemm1": K128, "gemm2": K128}}},
 }
 
@@ -61,7 +63,7 @@ def test_load_from_path(tmp_path):
         cfg = load_config(source)
         assert cfg.origin == str(p) and cfg.why == "path given by the caller" and not cfg.is_default
         assert cfg.device_name == "NVIDIA H200"
-        assert cfg.lce_config("forward", torch.bfloat16, 100) == KernelConfig(**K64)
+        assert cfg.lce_config("forward", torch.bfloat16, 100, 4096) == KernelConfig(**K64)
 
 
 def test_save_round_trip(tmp_path):
@@ -119,7 +121,7 @@ def test_fallback_warns_once_naming_file_and_tuner():
     assert rec[0].filename == __file__  # stacklevel points at the caller
     for cfg in (first, second):
         assert cfg.is_default and cfg.origin == "built-in defaults"
-        assert cfg.lce_config("forward", torch.bfloat16, 1) is None
+        assert cfg.lce_config("forward", torch.bfloat16, 1, 4096) is None
         assert cfg.moe_config(128, 2048, 768, torch.bfloat16, 1) is None
 
 
@@ -205,7 +207,7 @@ def test_pyproject_ships_configs_in_the_wheel():
 def test_nearest_lce_bucket_on_a_log_scale(tokens, block_n, tmp_path):
     # buckets 1, 64 (both K64, block_n 128) and 4096 (K128, block_n 256); 64 -> 4096 switches at 512.
     cfg = load_config(_write(tmp_path / "c.json", VALID))
-    assert cfg.lce_config("forward", torch.bfloat16, tokens).block_n == block_n
+    assert cfg.lce_config("forward", torch.bfloat16, tokens, 4096).block_n == block_n
 
 
 @pytest.mark.parametrize("tokens, block_m", [(1, 64), (63, 64), (65, 128), (4096, 128), (10**6, 128)])
@@ -216,12 +218,19 @@ def test_nearest_moe_bucket_on_a_log_scale(tokens, block_m, tmp_path):
     assert (moe.gemm1.block_m, moe.gemm2.block_m) == (block_m, block_m)
 
 
+@pytest.mark.parametrize("hidden, block_k", [(4096, 64), (3000, 64), (16384, 64), (1500, 32), (1, 32)])
+def test_nearest_lce_hidden_size_on_a_log_scale(hidden, block_k, tmp_path):
+    # hidden sizes 1024 (block_k 32) and 4096 (block_k 64): the geometric midpoint is 2048.
+    cfg = load_config(_write(tmp_path / "c.json", VALID))
+    assert cfg.lce_config("forward", torch.bfloat16, 64, hidden).block_k == block_k
+
+
 def test_unknown_keys_give_none(tmp_path):
     cfg = load_config(_write(tmp_path / "c.json", VALID))
-    assert cfg.lce_config("backward", torch.bfloat16, 64) is None
-    assert cfg.lce_config("forward", torch.float16, 64) is None
+    assert cfg.lce_config("backward", torch.bfloat16, 64, 4096) is None
+    assert cfg.lce_config("forward", torch.float16, 64, 4096) is None
     assert cfg.moe_config(64, 2048, 768, torch.bfloat16, 64) is None
-    assert tuning.lce_key("forward", torch.bfloat16) == "forward:bfloat16"
+    assert tuning.lce_key("forward", torch.bfloat16, 4096) == LCE_KEY
     assert tuning.moe_key(128, 2048, 768, torch.bfloat16) == MOE_KEY
 
 
@@ -247,39 +256,39 @@ def _edit(fn):
 
 
 def _lce_entry(data):
-    return data["lce"]["forward:bfloat16"]["64"]
+    return data["lce"][LCE_KEY]["64"]
 
 
 BAD_FILES = [
     Bad("broken JSON", '{"schema_version": 1,', r"not valid JSON: ", "truncated by a crashed tuner"),
     Bad("not an object", "[1, 2]", r"top level must be a JSON object, got list", "wrong top-level type"),
     Bad("unknown key", _edit(lambda d: _lce_entry(d).update(blok_m=64)),
-        r"field 'lce\.forward:bfloat16\.64\.blok_m': Extra inputs are not permitted", "typo in a kernel field"),
+        r"field 'lce\.forward:bfloat16:H4096\.64\.blok_m': Extra inputs are not permitted", "typo in a kernel field"),
     Bad("unknown top-level key", _edit(lambda d: d.update(lcee={})),
         r"field 'lcee': Extra inputs are not permitted", "typo in a section name"),
     Bad("non-power-of-two tile", _edit(lambda d: _lce_entry(d).update(block_n=96)),
-        r"field 'lce\.forward:bfloat16\.64\.block_n': Value error, block_n must be a power of two, got 96",
+        r"field 'lce\.forward:bfloat16:H4096\.64\.block_n': Value error, block_n must be a power of two, got 96",
         "tiles are powers of two"),
     Bad("bad warps", _edit(lambda d: _lce_entry(d).update(num_warps=3)),
-        r"field 'lce\.forward:bfloat16\.64\.num_warps': Value error, num_warps must be one of \(1, 2, 4, 8, 16\), "
-        r"got 3", "warps are powers of two up to 16"),
+        r"field 'lce\.forward:bfloat16:H4096\.64\.num_warps': Value error, "
+        r"num_warps must be one of \(1, 2, 4, 8, 16\), got 3", "warps are powers of two up to 16"),
     Bad("bad stages", _edit(lambda d: _lce_entry(d).update(num_stages=0)),
-        r"field 'lce\.forward:bfloat16\.64\.num_stages': Value error, num_stages must be in \[1, 8\], got 0",
+        r"field 'lce\.forward:bfloat16:H4096\.64\.num_stages': Value error, num_stages must be in \[1, 8\], got 0",
         "at least one stage"),
     Bad("bad group", _edit(lambda d: _lce_entry(d).update(group_m=100)),
-        r"field 'lce\.forward:bfloat16\.64\.group_m': Value error, group_m must be in \[1, 64\], got 100",
+        r"field 'lce\.forward:bfloat16:H4096\.64\.group_m': Value error, group_m must be in \[1, 64\], got 100",
         "grouped tile order bound"),
     Bad("missing field", _edit(lambda d: _lce_entry(d).pop("block_k")),
-        r"field 'lce\.forward:bfloat16\.64\.block_k': Field required", "no silent default for a tile"),
+        r"field 'lce\.forward:bfloat16:H4096\.64\.block_k': Field required", "no silent default for a tile"),
     Bad("not an integer", _edit(lambda d: _lce_entry(d).update(block_m="big")),
-        r"field 'lce\.forward:bfloat16\.64\.block_m': Input should be a valid integer", "wrong type"),
+        r"field 'lce\.forward:bfloat16:H4096\.64\.block_m': Input should be a valid integer", "wrong type"),
     Bad("moe block_m mismatch", _edit(lambda d: d["moe"][MOE_KEY]["1"]["gemm2"].update(block_m=128)),
         rf"field 'moe\.{MOE_KEY}\.1': Value error, gemm1\.block_m \(64\) must equal gemm2\.block_m \(128\)",
         "the alignment pads to one block_m for both GEMMs"),
     Bad("schema_version", _edit(lambda d: d.update(schema_version=2)),
         r"field 'schema_version': Value error, schema_version must be 1, got 2", "file from a newer hopperkern"),
-    Bad("non-integer bucket", _edit(lambda d: d["lce"]["forward:bfloat16"].update(big=K64)),
-        r"field 'lce': Value error, forward:bfloat16: token bucket must be a positive integer string, got 'big'",
+    Bad("non-integer bucket", _edit(lambda d: d["lce"][LCE_KEY].update(big=K64)),
+        rf"field 'lce': Value error, {LCE_KEY}: token bucket must be a positive integer string, got 'big'",
         "buckets are token counts"),
     Bad("zero bucket", _edit(lambda d: d["moe"][MOE_KEY].update({"0": d["moe"][MOE_KEY]["1"]})),
         rf"field 'moe': Value error, {MOE_KEY}: token bucket must be a positive integer string, got '0'",
