@@ -118,7 +118,7 @@ def _interp_config() -> KernelConfig:
 def _default_config(dtype) -> KernelConfig:
     if dtype == torch.float32:
         return KernelConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
-    return KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3)
+    return KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=True)
 
 
 def pick_config(phase: str, dtype, N: int, H: int) -> KernelConfig:

@@ -75,8 +75,8 @@ def _backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
     need_b = bias is not None and ctx.needs_input_grad[3]
     if not (need_h or need_w or need_b):
         return (None,) * 12
-    dh, dw, db = lce_backward_op(hidden, weight, labels, bias, lse, entropy, logprob + lse, g_loss, g_logprob, g_entropy, g_lse,
-                                 *ctx.opts, need_h, need_w)
+    dh, dw, db = lce_backward_op(hidden, weight, labels, bias, lse, entropy, logprob + lse, g_loss, g_logprob,
+                                 g_entropy, g_lse, *ctx.opts, need_h, need_w)
     return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 8
 
 
