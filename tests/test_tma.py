@@ -359,6 +359,7 @@ def test_load_store_2d_pads_and_clips(use_tma, device):
     x = torch.randn(M, N, device=device)
     y = torch.zeros(M, N, device=device)
     t = torch.full((B0, B1), float("nan"), device=device)
+    tma.ensure_allocator()  # device-side descriptors on a GPU
     _tile_copy_2d[(1,)](x, y, t, M, N, x.stride(0), y.stride(0), off0, off1, B0, B1, use_tma, use_tma)
     padded = torch.zeros(B0, B1, device=device)
     padded[: M - off0, : N - off1] = x[off0:, off1:]
@@ -370,20 +371,28 @@ def test_load_store_2d_pads_and_clips(use_tma, device):
 
 @triton.jit
 def _slab_copy_3d(w_ptr, t_ptr, E, N, K, stride0, stride1, idx0, off1, off2,
-                  B1: tl.constexpr, B2: tl.constexpr, USE_TMA: tl.constexpr):
+                  B1: tl.constexpr, B2: tl.constexpr, USE_TMA: tl.constexpr, IDX_CONST: tl.constexpr = -1):
+    """Copy the [B1, B2] tile of slab idx0 (or of slab IDX_CONST when >= 0) at (off1, off2) into t."""
     src = tile_source_3d(w_ptr, E, N, K, stride0, stride1, B1, B2, USE_TMA)
-    tile = load_3d(src, idx0, off1, off2, N, K, stride0, stride1, 1, B1, B2, USE_TMA)
+    if IDX_CONST >= 0:
+        tile = load_3d(src, IDX_CONST, off1, off2, N, K, stride0, stride1, 1, B1, B2, USE_TMA)
+    else:
+        tile = load_3d(src, idx0, off1, off2, N, K, stride0, stride1, 1, B1, B2, USE_TMA)
     r = tl.arange(0, B1)
     c = tl.arange(0, B2)
     tl.store(t_ptr + r[:, None] * B2 + c[None, :], tile)
 
 
+# The slab index as a runtime int (Triton makes an int argument equal to 1 a constexpr when compiling) and as an
+# explicit constexpr: load_3d must accept both.
+@pytest.mark.parametrize("idx_const", [-1, 1], ids=["runtime-index", "constexpr-index"])
 @pytest.mark.parametrize("use_tma", [False, True], ids=["pointer", "tma"])
-def test_load_3d_reads_one_slab(use_tma, device):
+def test_load_3d_reads_one_slab(use_tma, idx_const, device):
     E, N, K, B1, B2 = 3, 24, 16, 16, 16
     w = torch.randn(E, N, K, dtype=torch.float16, device=device)
     t = torch.full((B1, B2), float("nan"), dtype=torch.float16, device=device)
-    _slab_copy_3d[(1,)](w, t, E, N, K, w.stride(0), w.stride(1), 1, 16, 0, B1, B2, use_tma)
+    tma.ensure_allocator()
+    _slab_copy_3d[(1,)](w, t, E, N, K, w.stride(0), w.stride(1), 1, 16, 0, B1, B2, use_tma, idx_const)
     expect = torch.zeros(B1, B2, dtype=torch.float16, device=device)
     expect[: N - 16] = w[1, 16:]  # rows past N are zeros, never the next expert's rows
     assert torch.equal(t, expect)
@@ -408,9 +417,23 @@ def test_load_rows_gathers(device):
     assert torch.equal(t, expect)
 
 
-# The guards are compile-time: InterpreterError under the interpreter, CompileTimeAssertionFailure when compiled;
-# both are TritonErrors. The `gpu` copy checks the compiled form on the H200.
+# The guards are compile-time: InterpreterError under the interpreter; compiled, a CompileTimeAssertionFailure that
+# Triton wraps in a CompilationError at the call site when the assert sits in a called helper. All are TritonErrors.
+# The `gpu` copies check the compiled form on the H200.
 BOTH_BACKENDS = [pytest.param("here", id="here"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+
+
+def assert_static_assert(excinfo, message):
+    """``message`` is carried by the right kind of error somewhere in the exception chain."""
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime.errors import InterpreterError
+
+    kind = InterpreterError if triton.knobs.runtime.interpret else CompileTimeAssertionFailure
+    chain, exc = [], excinfo.value
+    while exc is not None and len(chain) < 10:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    assert any(isinstance(e, kind) and message in str(e) for e in chain), [f"{type(e).__name__}: {e}" for e in chain]
 
 
 @pytest.mark.parametrize("backend", BOTH_BACKENDS)
@@ -418,21 +441,26 @@ def test_static_assert_row_gather_has_no_tma(backend, device):
     x = torch.randn(10, 16, device=device)
     idx = torch.zeros(8, dtype=torch.int32, device=device)
     t = torch.empty(8, 16, device=device)
-    with pytest.raises(triton.errors.TritonError, match="row gather has no TMA path on sm_90"):
+    with pytest.raises(triton.errors.TritonError) as info:
         _gather_rows[(1,)](x, idx, t, 8, 16, x.stride(0), 16, 8, True)
+    assert_static_assert(info, "row gather has no TMA path on sm_90: pass USE_TMA=False for gathered rows")
 
 
 @pytest.mark.parametrize("backend", BOTH_BACKENDS)
 def test_static_assert_tma_box_too_narrow(backend, device):
     x = torch.randn(8, 8, device=device)
     t = torch.empty(8, 2, device=device)
-    with pytest.raises(triton.errors.TritonError, match="TMA box inner extent must be at least 16 bytes"):
+    tma.ensure_allocator()
+    with pytest.raises(triton.errors.TritonError) as info:
         _tile_copy_2d[(1,)](x, x, t, 8, 8, 8, 8, 0, 0, 8, 2, True, True)  # 2 fp32 = 8 bytes
+    assert_static_assert(info, "TMA box inner extent must be at least 16 bytes")
 
 
 @pytest.mark.parametrize("backend", BOTH_BACKENDS)
 def test_static_assert_tma_box_too_narrow_3d(backend, device):
     w = torch.randn(2, 8, 8, device=device)
     t = torch.empty(8, 2, device=device)
-    with pytest.raises(triton.errors.TritonError, match="TMA box inner extent must be at least 16 bytes"):
+    tma.ensure_allocator()
+    with pytest.raises(triton.errors.TritonError) as info:
         _slab_copy_3d[(1,)](w, t, 2, 8, 8, 64, 8, 0, 0, 0, 8, 2, True)
+    assert_static_assert(info, "TMA box inner extent must be at least 16 bytes")

@@ -80,7 +80,7 @@ def load_3d(src, idx0, off1, off2, shape1, shape2, stride0, stride1, stride2, BL
     else:
         r = off1 + tl.arange(0, BLOCK1)
         c = off2 + tl.arange(0, BLOCK2)
-        base = src + idx0.to(tl.int64) * stride0
+        base = src + tl.cast(idx0, tl.int64) * stride0  # tl.cast: idx0 may be a constexpr (an int arg == 1 is one)
         ptrs = base + r[:, None].to(tl.int64) * stride1 + c[None, :].to(tl.int64) * stride2
         tile = tl.load(ptrs, mask=(r[:, None] < shape1) & (c[None, :] < shape2), other=0.0)
     return tile
