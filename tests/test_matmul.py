@@ -81,7 +81,7 @@ def test_paths_agree_bitwise():
 
 # bf16: on CPU the interpreter needs the test-only fix in conftest.py; the `gpu` copy runs it compiled on the H200.
 BF16_RUNS = [pytest.param((70, 88, 72), id="here"),
-             pytest.param((1000, 1500, 2048), id="gpu", marks=pytest.mark.gpu)]
+             pytest.param((1000, 1496, 2040), id="gpu", marks=pytest.mark.gpu)]  # rows 16-byte aligned for TMA
 
 
 @pytest.mark.parametrize("mode", ["never", "always"])
