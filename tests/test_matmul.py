@@ -52,12 +52,6 @@ def assert_matches_reference(out, a, b, *, factor=2.0):
     assert err <= factor * torch_err + atol, f"error {err:.3g} vs plain torch {torch_err:.3g}"
 
 
-def _mm(a, b, mode, case=None, **kw):
-    if case is not None:
-        kw.update(zip(("block_m", "block_n", "block_k"), case.blocks))
-    return matmul(a, b, tma=mode, **kw)
-
-
 @pytest.fixture(autouse=True)
 def no_tma_env(monkeypatch):
     monkeypatch.delenv("HOPPERKERN_TMA", raising=False)
@@ -68,7 +62,8 @@ def no_tma_env(monkeypatch):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matmul_both_paths(case, mode, dtype):
     a, b = _inputs(case.M, case.N, case.K, dtype)
-    out = _mm(a, b, mode, case)
+    bm, bn, bk = case.blocks
+    out = matmul(a, b, tma=mode, block_m=bm, block_n=bn, block_k=bk)
     d = tma.last_decision("matmul")
     assert d.mode == mode and d.use == {k: mode == "always" for k in "abc"}
     assert_matches_reference(out, a, b)
