@@ -9,8 +9,9 @@ Two launch shapes share the same helpers:
 - small (one chunk, ``num_slots <= CHUNK``): ONE program does everything (decode: one launch);
 - large: count (grid = chunks) -> scan (one program) -> scatter (grid = chunks) -> blocks (grid = block tiles).
 
-Ordering is deterministic: inside an expert, slots appear in increasing slot order (a per-chunk sort of
-``bin * CHUNK + local index``, then per-(chunk, expert) bases from an exclusive scan over chunks).
+Ordering is deterministic: inside an expert, slots appear in increasing slot order (per-(chunk, expert)
+bases from an exclusive scan over chunks, then ranks inside a chunk from small comparison tiles). No sort:
+tl.sort is a bitonic network that is slow on the GPU at 4096 elements and unusably slow in the interpreter.
 """
 
 import triton
@@ -46,18 +47,27 @@ def _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E,
 
 
 @triton.jit
-def _scatter_chunk(bins, chunk, base_row_ptr, sorted_ptr, E, CHUNK: tl.constexpr):
+def _scatter_chunk(ids_ptr, chunk, num_slots, base, sorted_ptr, E, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                   E_P: tl.constexpr):
     """Write the slot ids of one chunk to their sorted rows.
 
-    ``base_row_ptr[e]`` = first sorted row of this chunk's expert-e slots minus the number of this chunk's
-    slots with a smaller expert, so a slot at position p of the chunk sorted by (bin, index) goes to
-    ``base[e] + p``."""
-    local = tl.arange(0, CHUNK)
-    keys = tl.sort(bins * CHUNK + local)
-    b = keys // CHUNK
-    keep = b < E
-    dest = tl.load(base_row_ptr + b, mask=keep, other=0) + local
-    tl.store(sorted_ptr + dest, chunk * CHUNK + (keys - b * CHUNK), mask=keep)
+    ``base`` [E_P] = first sorted row of this chunk's expert-e slots. The chunk is walked in sub-blocks of SUB
+    slots: a slot's rank among the sub-block's earlier slots of its expert comes from a [SUB, SUB] comparison,
+    and a one-hot [SUB, E_P] row-sum gathers ``base`` (no data-dependent register index, no scan: tl.cumsum
+    runs a Python combine per step in the interpreter)."""
+    ex = tl.arange(0, E_P)
+    i = tl.arange(0, SUB)
+    nxt = base
+    n_here = tl.minimum(num_slots - chunk * CHUNK, CHUNK)
+    for sub in range(0, tl.cdiv(n_here, SUB)):
+        offs = chunk * CHUNK + sub * SUB + i
+        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
+        e = tl.where((e >= 0) & (e < E), e, E)
+        hot = (e[:, None] == ex[None, :]).to(tl.int32)
+        rank = tl.sum(((e[None, :] == e[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+        dest = tl.sum(hot * nxt[None, :], axis=1) + rank
+        tl.store(sorted_ptr + dest, offs, mask=e < E)
+        nxt += tl.sum(hot, axis=0)
 
 
 @triton.jit
@@ -88,20 +98,15 @@ def _align_small_kernel(
     offsets_ptr,      # [E + 1] int32 out: first sorted row of each expert; offsets[E] = padded total
     counts_ptr,       # [E] int32 out: real slots per expert
     num_blocks_ptr,   # [1] int32 out: number of live blocks
-    base_ptr,         # [E_P] int32 scratch: per-expert scatter base
     num_slots, E, max_blocks,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_P: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Whole plan in one program (grid (1,)) when all slots fit in one chunk: decode is a single launch."""
     ex = tl.arange(0, E_P)
-    bins = _slot_bins(ids_ptr, 0, num_slots, E, CHUNK)
-    tot = tl.where(ex < E, tl.histogram(bins, E_P), 0)
+    tot = tl.where(ex < E, tl.histogram(_slot_bins(ids_ptr, 0, num_slots, E, CHUNK), E_P), 0)
     starts, ends = _expert_layout(tot, BLOCK_M)
     _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E, BLOCK_M, E_P)
-    tl.store(base_ptr + ex, starts - (tl.cumsum(tot, 0) - tot))
-    # The scatter below reads base_ptr at data-dependent bins written by other threads of this program.
-    tl.debug_barrier()
-    _scatter_chunk(bins, 0, base_ptr, sorted_ptr, E, CHUNK)
+    _scatter_chunk(ids_ptr, 0, num_slots, starts, sorted_ptr, E, CHUNK, SUB, E_P)
     for tile in range(0, tl.cdiv(max_blocks, BLOCK_B)):
         _fill_blocks(tile, starts, ends, tot, block_expert_ptr, sorted_ptr, max_blocks, num_slots, E,
                      BLOCK_M, BLOCK_B, E_P)
@@ -123,26 +128,29 @@ def _align_count_kernel(
 @triton.jit
 def _align_scan_kernel(
     chunk_counts_ptr, # [num_chunks, E_P] int32
-    base_ptr,         # [num_chunks, E_P] int32 out: per-(chunk, expert) scatter base
+    base_ptr,         # [num_chunks, E_P] int32 out: first sorted row of chunk c's expert-e slots
     offsets_ptr,      # [E + 1] int32 out
     counts_ptr,       # [E] int32 out
     num_blocks_ptr,   # [1] int32 out
     num_chunks, E,
-    BLOCK_M: tl.constexpr, E_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Grid (1,): expert totals, padded segments, then an exclusive scan over chunks for the bases."""
+    """Grid (1,): expert totals, padded segments, then an exclusive scan over chunks (BLOCK_C rows at a time)."""
     ex = tl.arange(0, E_P)
+    cs = tl.arange(0, BLOCK_C)
     tot = tl.zeros((E_P,), dtype=tl.int32)
-    for c in range(0, num_chunks):
-        tot += tl.load(chunk_counts_ptr + c * E_P + ex)
-    tot = tl.where(ex < E, tot, 0)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        m = ((c0 + cs)[:, None] < num_chunks) & (ex[None, :] < E)
+        tot += tl.sum(tl.load(chunk_counts_ptr + (c0 + cs)[:, None] * E_P + ex[None, :], mask=m, other=0), axis=0)
     starts, ends = _expert_layout(tot, BLOCK_M)
     _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E, BLOCK_M, E_P)
     running = starts
-    for c in range(0, num_chunks):
-        row = tl.where(ex < E, tl.load(chunk_counts_ptr + c * E_P + ex), 0)
-        tl.store(base_ptr + c * E_P + ex, running - (tl.cumsum(row, 0) - row))
-        running += row
+    for c0 in range(0, num_chunks, BLOCK_C):
+        m = ((c0 + cs)[:, None] < num_chunks) & (ex[None, :] < E)
+        rows = tl.load(chunk_counts_ptr + (c0 + cs)[:, None] * E_P + ex[None, :], mask=m, other=0)
+        tl.store(base_ptr + (c0 + cs)[:, None] * E_P + ex[None, :],
+                 running[None, :] + tl.cumsum(rows, 0) - rows, mask=m)
+        running += tl.sum(rows, axis=0)
 
 
 @triton.jit
@@ -151,12 +159,13 @@ def _align_scatter_kernel(
     base_ptr,         # [num_chunks, E_P] int32
     sorted_ptr,       # [max_blocks * BLOCK_M] int32 out
     num_slots, E,
-    CHUNK: tl.constexpr, E_P: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr,
 ):
     """Grid (num_chunks,); one program writes the sorted rows of one chunk's slots."""
     c = tl.program_id(0)
-    bins = _slot_bins(ids_ptr, c, num_slots, E, CHUNK)
-    _scatter_chunk(bins, c, base_ptr + c * E_P, sorted_ptr, E, CHUNK)
+    ex = tl.arange(0, E_P)
+    base = tl.load(base_ptr + c * E_P + ex, mask=ex < E, other=0)
+    _scatter_chunk(ids_ptr, c, num_slots, base, sorted_ptr, E, CHUNK, SUB, E_P)
 
 
 @triton.jit

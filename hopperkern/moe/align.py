@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..tma import interpreter_active
 from ._align_kernels import (
     _align_blocks_kernel,
     _align_count_kernel,
@@ -39,8 +40,17 @@ from ._align_kernels import (
 __all__ = ["AlignPlan", "max_blocks_for", "moe_align"]
 
 _SMALL_MAX_SLOTS = 1024  # up to this many slots, one program builds the whole plan (one launch)
-_CHUNK = 4096            # slots per program of the multi-program path
+_CHUNK = 1024            # slots per program of the multi-program path
 _BLOCK_B = 16            # row blocks per program when filling block_expert and padding
+_TILE_ELEMS = 4096       # size of the one-hot [SUB, E_P] tile of the scatter (registers per program)
+_SUB_MAX = 64            # slots per scatter step (a [SUB, SUB] rank tile)
+
+
+def _scatter_step(e_p: int) -> int:
+    """Slots per scatter step. The interpreter pays per op, not per element, so it takes 16x bigger tiles
+    (same kernel body, a different constexpr)."""
+    scale = 16 if interpreter_active() else 1
+    return max(16, min(_SUB_MAX * scale, _TILE_ELEMS * scale // e_p))
 
 
 @dataclass(frozen=True)
@@ -110,23 +120,24 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
         return plan
     ids = topk_ids.reshape(-1)  # a copy only for non-contiguous ids: T*k integers, never large
     e_p = _pow2_at_least(E + 1, 32)  # histogram bins: one per expert plus the "dropped" bin E; >= warp size
+    sub = _scatter_step(e_p)
     if num_slots <= _SMALL_MAX_SLOTS:
-        chunk = _pow2_at_least(num_slots, 128)
-        base = torch.empty(e_p, **i32)
+        chunk = _pow2_at_least(num_slots, 32)
         _align_small_kernel[(1,)](
             ids, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.expert_counts, plan.num_blocks,
-            base, num_slots, E, max_blocks,
-            BLOCK_M=block_m, CHUNK=chunk, E_P=e_p, BLOCK_B=_BLOCK_B, num_warps=4,
+            num_slots, E, max_blocks,
+            BLOCK_M=block_m, CHUNK=chunk, SUB=min(sub, chunk), E_P=e_p, BLOCK_B=_BLOCK_B, num_warps=4,
         )
         return plan
     num_chunks = triton.cdiv(num_slots, _CHUNK)
     chunk_counts = torch.empty((num_chunks, e_p), **i32)
     base = torch.empty((num_chunks, e_p), **i32)
-    _align_count_kernel[(num_chunks,)](ids, chunk_counts, num_slots, E, CHUNK=_CHUNK, E_P=e_p, num_warps=8)
+    _align_count_kernel[(num_chunks,)](ids, chunk_counts, num_slots, E, CHUNK=_CHUNK, E_P=e_p, num_warps=4)
     _align_scan_kernel[(1,)](chunk_counts, base, plan.expert_offsets, plan.expert_counts, plan.num_blocks,
-                             num_chunks, E, BLOCK_M=block_m, E_P=e_p, num_warps=4)
-    _align_scatter_kernel[(num_chunks,)](ids, base, plan.sorted_slots, num_slots, E, CHUNK=_CHUNK, E_P=e_p,
-                                         num_warps=8)
+                             num_chunks, E, BLOCK_M=block_m, E_P=e_p, BLOCK_C=max(1, _TILE_ELEMS // e_p),
+                             num_warps=8)
+    _align_scatter_kernel[(num_chunks,)](ids, base, plan.sorted_slots, num_slots, E, CHUNK=_CHUNK, SUB=sub,
+                                         E_P=e_p, num_warps=4)
     _align_blocks_kernel[(triton.cdiv(max_blocks, _BLOCK_B),)](
         plan.expert_offsets, plan.expert_counts, plan.block_expert, plan.sorted_slots, max_blocks, num_slots, E,
         BLOCK_M=block_m, BLOCK_B=_BLOCK_B, E_P=e_p, num_warps=4,

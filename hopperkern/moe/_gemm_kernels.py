@@ -1,0 +1,165 @@
+"""Triton kernels of the two grouped GEMMs of fused_moe and the top-k reduction.
+
+Both GEMMs walk the sorted rows of an :class:`~hopperkern.moe.align.AlignPlan`: row block ``b`` (rows
+``b*BLOCK_M ..``) belongs to expert ``block_expert[b]``; programs whose block is past the device-side
+``num_blocks`` exit at once (the grid is sized from shapes only, so no host sync is needed). Inside each kernel
+the GEMM letters are ``M`` = sorted rows, ``N`` = output columns, ``K`` = reduction dim.
+
+ONE body per GEMM serves both memory paths: weights come through 3-D tensor descriptors (boxes [1, BN, BK])
+or pointer loads, switched by constexpr flags chosen on the host by :func:`hopperkern.tma.decide`.
+"""
+
+import triton
+import triton.language as tl
+
+from ..tma.jit import load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
+
+ACT_SILU = 0
+ACT_GELU_TANH = 1
+
+
+@triton.jit
+def _sigmoid(x):
+    # exp of a large positive argument gives inf and 1/inf = 0: no NaN for any finite x.
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _activation(g, ACT: tl.constexpr):
+    """silu(g) = g * sigmoid(g); gelu_tanh(g) = 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2/pi)(g +
+    0.044715 g^3). The sigmoid form avoids libdevice tanh (which the interpreter cannot run)."""
+    if ACT == 0:
+        out = g * _sigmoid(g)
+    else:
+        out = g * _sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    return out
+
+
+@triton.jit
+def _block_coords(num_m, num_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program, row blocks visited in groups of GROUP_M so that programs running
+    together share weight tiles in L2 (neighbouring blocks usually belong to the same expert)."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,            # [T, H] hidden (any strides), fp16/bf16/fp32
+    w_ptr,            # [E, 2*I, H] w13: rows 0..I-1 gate, I..2I-1 up
+    y_ptr,            # [max_blocks*BLOCK_M, I] out, hidden dtype: act(gate) * up per sorted row
+    slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots (sentinel num_slots in padding)
+    block_expert_ptr, # [max_blocks] int32
+    num_blocks_ptr,   # [1] int32 live blocks
+    E, H, I, num_rows, num_slots, top_k, max_blocks,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT: tl.constexpr, W_TMA: tl.constexpr, Y_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """GEMM1: y[r, n] = act(x[tok(r)] . w13[e, n]) * (x[tok(r)] . w13[e, I + n]), M = sorted rows, N = I,
+    K = H. Grid (max_blocks * cdiv(I, BLOCK_N),); one program = one row block x BLOCK_N columns of BOTH the
+    gate and the up half (two accumulators), so the 2*I-wide pre-activation never reaches HBM.
+
+    Token rows are gathered by index (pointer loads; TMA gather is sm_100 only). Padding rows gather nothing
+    (masked to zero) and store act(0) * 0 = 0."""
+    pid_m, pid_n = _block_coords(max_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(slots_ptr + rows)
+    live = slot < num_slots
+    tok = slot // top_k
+    n0 = pid_n * BLOCK_N
+    w_src = tile_source_3d(w_ptr, E, 2 * I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
+    y_dst = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_N, Y_TMA)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(H, BLOCK_K)):
+        k0 = kk * BLOCK_K
+        # K tail: both paths read zeros past H. Gate columns past I (when I % BLOCK_N != 0) read up rows
+        # (or zeros); those output columns are never stored.
+        x = load_rows(x_ptr, tok, live, k0, H, stride_xt, stride_xh, BLOCK_K, False)
+        wg = load_3d(w_src, e, n0, k0, 2 * I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
+        wu = load_3d(w_src, e, I + n0, k0, 2 * I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+    y = _activation(acc_g, ACT) * acc_u
+    store_2d(y_dst, y.to(y_ptr.dtype.element_ty), pid_m * BLOCK_M, n0, num_rows, I, stride_ym, 1,
+             BLOCK_M, BLOCK_N, Y_TMA)
+
+
+@triton.jit
+def _down_kernel(
+    y_ptr,            # [max_blocks*BLOCK_M, I] sorted intermediate rows (unit inner stride)
+    w_ptr,            # [E, H, I] w2
+    out_ptr,          # ATOMIC: [T, H] fp32, zero-filled; else [T*top_k, H] one row per slot
+    tw_ptr,           # [T, top_k] routing weights, any float dtype and strides
+    slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots
+    block_expert_ptr, # [max_blocks] int32
+    num_blocks_ptr,   # [1] int32
+    E, H, I, num_rows, num_slots, top_k, max_blocks,
+    stride_ym, stride_we, stride_wh, stride_wi, stride_twt, stride_twk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    Y_TMA: tl.constexpr, W_TMA: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """GEMM2: z[r, n] = weight(slot(r)) * (y[r] . w2[e, n]), M = sorted rows, N = H, K = I. Grid
+    (max_blocks * cdiv(H, BLOCK_N),); one program = one row block x BLOCK_N output columns.
+
+    The sorted rows are contiguous, so they load with 2-D TMA. ATOMIC: fp32 atomic adds into out[token]
+    (the top-k reduction happens here; the order of the adds varies run to run). Otherwise each slot's row
+    is stored once into out[slot] and :func:`_topk_sum_kernel` adds the k rows in a fixed order."""
+    pid_m, pid_n = _block_coords(max_blocks, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(slots_ptr + rows)
+    live = slot < num_slots
+    tok = slot // top_k
+    n0 = pid_n * BLOCK_N
+    y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
+    w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(I, BLOCK_K)):
+        k0 = kk * BLOCK_K
+        a = load_2d(y_src, pid_m * BLOCK_M, k0, num_rows, I, stride_ym, 1, BLOCK_M, BLOCK_K, Y_TMA)
+        b = load_3d(w_src, e, n0, k0, H, I, stride_we, stride_wh, stride_wi, BLOCK_N, BLOCK_K, W_TMA)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+    wt = tl.load(tw_ptr + tok.to(tl.int64) * stride_twt + (slot - tok * top_k) * stride_twk, mask=live, other=0.0)
+    acc = acc * wt.to(tl.float32)[:, None]
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = live[:, None] & (cols[None, :] < H)
+    if ATOMIC:
+        ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _topk_sum_kernel(
+    src_ptr,          # [T*top_k, H] per-slot rows (rows of dropped slots are never written)
+    ids_ptr,          # [T*top_k] int32/int64 flattened topk_ids
+    out_ptr,          # [T, H] out
+    E, H, stride_s, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum_j src[t*k + j] in fp32, j = 0..k-1 in order (deterministic); slots whose id is outside
+    [0, E) (-1: dropped) add nothing. Grid (T, cdiv(H, BLOCK_H))."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(0, TOP_K):
+        s = t.to(tl.int64) * TOP_K + j
+        e = tl.load(ids_ptr + s)
+        ok = (e >= 0) & (e < E)
+        acc += tl.load(src_ptr + s * stride_s + cols, mask=(cols < H) & ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty),
+             mask=cols < H)

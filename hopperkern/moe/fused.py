@@ -1,0 +1,98 @@
+"""``fused_moe``: the MoE MLP of routed tokens, built from align -> gate/up GEMM -> down GEMM + top-k reduce."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import tma as _tma
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
+from .._validate import check_same_dtype
+from ..tuning import MoeConfig
+from .align import moe_align
+from .configs import moe_launch_config
+from .gemm import ACTIVATIONS, down, gate_up
+
+__all__ = ["fused_moe", "check_expert_ids"]
+
+_MAX_LISTED_IDS = 8
+
+
+def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError naming the ids of ``topk_ids`` outside ``[-1, num_experts)``.
+
+    Costs one device->host synchronisation (a boolean reduction read back), i.e. tens of microseconds on a
+    GPU and a break in CUDA-graph capture; skip it with ``fused_moe(..., check_ids=False)``."""
+    bad = (topk_ids < -1) | (topk_ids >= num_experts)
+    if bool(bad.any()):
+        vals = torch.unique(topk_ids[bad]).tolist()
+        listed = ", ".join(str(v) for v in vals[:_MAX_LISTED_IDS]) + (", ..." if len(vals) > _MAX_LISTED_IDS else "")
+        raise ValueError(f"topk_ids must be in [-1, {num_experts}) (-1 drops a slot), got expert ids {listed}")
+
+
+def _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma):
+    check_dtype("hidden", hidden, FLOAT_DTYPES)
+    check_dtype("w13", w13, FLOAT_DTYPES)
+    check_dtype("w2", w2, FLOAT_DTYPES)
+    check_same_dtype("w13", w13, "hidden", hidden)
+    check_same_dtype("w2", w2, "hidden", hidden)
+    check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+    check_dtype("topk_ids", topk_ids, INDEX_DTYPES)
+    check_ndim("hidden", hidden, 2)
+    check_ndim("w13", w13, 3)
+    check_ndim("w2", w2, 3)
+    check_ndim("topk_ids", topk_ids, 2)
+    check_choice("activation", activation, tuple(ACTIVATIONS))
+    _tma.resolve_mode(tma)  # unknown tma mode -> ValueError before any launch
+    T, H = hidden.shape
+    E, H2, I = w2.shape  # noqa: E741
+    if H2 != H:
+        raise ValueError(f"w2 must be [E, H, I] with H = {H} (hidden.shape[1]), got shape {tuple(w2.shape)}")
+    if tuple(w13.shape) != (E, 2 * I, H):
+        raise ValueError(f"w13 must be [E, 2*I, H] = ({E}, {2 * I}, {H}) given w2 {tuple(w2.shape)} and hidden "
+                         f"{tuple(hidden.shape)}, got shape {tuple(w13.shape)}")
+    if topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must have {T} rows (hidden.shape[0]), got shape {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)}, got shape "
+                         f"{tuple(topk_weights.shape)}")
+    check_same_device({"hidden": hidden, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids})
+    return T, H, E, I
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, activation: str = "silu", tma: str = "auto", check_ids: bool = True,
+              deterministic: bool = False, config: MoeConfig | None = None) -> torch.Tensor:
+    """Mixture-of-Experts MLP of routed tokens. Equivalent plain PyTorch (see :mod:`hopperkern.moe.reference`)::
+
+        out = zeros(T, H)
+        for t, j:  e = topk_ids[t, j]; skip if e == -1
+            x = hidden[t]
+            out[t] += topk_weights[t, j] * (act(x @ w13[e, :I].T) * (x @ w13[e, I:].T)) @ w2[e].T
+
+    hidden [T, H]; w13 [E, 2*I, H] (rows 0..I-1 gate, I..2I-1 up); w2 [E, H, I]; all one dtype (fp16, bf16,
+    fp32; fp32 accumulation, fp32 inputs multiply in full fp32); topk_weights [T, k] float (any float dtype);
+    topk_ids [T, k] int32/int64 in [-1, E), -1 dropping that slot (expert parallel). Returns [T, H] in
+    hidden's dtype. The intermediate act(gate) * up is stored once, in hidden's dtype, in expert-sorted order.
+
+    activation: "silu" or "gelu_tanh" (tanh approximation). tma: "auto" | "always" | "never" (per operand,
+    see :func:`hopperkern.tma.decide`; decisions are recorded as "moe.gemm1" and "moe.gemm2").
+    check_ids: validate the ids on the host first (one device->host sync). Pass False when ids are known valid
+    and for CUDA-graph capture; invalid ids then drop their slots silently.
+    deterministic: False (default) reduces over top-k with fp32 atomics (bits may differ between runs);
+    True stores each slot's row and sums them in a fixed order (bitwise reproducible, more memory traffic).
+    config: a :class:`hopperkern.tuning.MoeConfig` to use instead of the tuning file / heuristics.
+
+    Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte
+    aligned strides, so ``tma="auto"`` falls back to pointer loads for weights that are not.
+    """
+    T, H, E, I = _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma)
+    if T == 0 or topk_ids.shape[1] == 0 or H == 0:
+        return torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
+    if check_ids:
+        check_expert_ids(topk_ids, E)
+    if config is None:
+        config, _ = moe_launch_config(E, H, I, hidden.dtype, T, topk_ids.shape[1])
+    plan = moe_align(topk_ids, E, config.gemm1.block_m)
+    inter = gate_up(hidden, w13, plan, config=config.gemm1, activation=activation, tma=tma)
+    return down(inter, w2, topk_weights, topk_ids, plan, config=config.gemm2, tma=tma,
+                deterministic=deterministic, out_dtype=hidden.dtype)

@@ -1,0 +1,136 @@
+"""Launchers of the grouped GEMMs of fused_moe (public, for callers that build their own pipeline).
+
+::
+
+    plan  = moe_align(topk_ids, E, cfg.gemm1.block_m)
+    inter = gate_up(hidden, w13, plan, config=cfg.gemm1)                  # [plan.max_rows, I], sorted rows
+    out   = down(inter, w2, topk_weights, topk_ids, plan, config=cfg.gemm2)  # [T, H]
+
+These launchers check only what the kernels need to be memory-safe (shapes agree with the plan, block sizes);
+:func:`hopperkern.moe.fused_moe` does the full input validation. Each records its TMA decision under the op
+names ``"moe.gemm1"`` / ``"moe.gemm2"`` (see :func:`hopperkern.tma.last_decision`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .. import tma as _tma
+from ..tuning import KernelConfig
+from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_kernel, _gate_up_kernel, _topk_sum_kernel
+from .align import AlignPlan
+
+__all__ = ["ACTIVATIONS", "down", "gate_up", "topk_sum"]
+
+ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
+
+
+def _dot_precision(dtype) -> str:
+    # fp32 inputs get true fp32 products ("ieee"), not tf32; 16-bit inputs ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_plan(plan: AlignPlan, config: KernelConfig, what: str) -> None:
+    if config.block_m != plan.block_m:
+        raise ValueError(f"{what}: config.block_m must be {plan.block_m} (the plan's block_m), got {config.block_m}")
+    for name in ("block_n", "block_k"):
+        if getattr(config, name) < 16:
+            raise ValueError(f"{what}: config.{name} must be >= 16 (tl.dot minimum), got {getattr(config, name)}")
+
+
+def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config: KernelConfig,
+            activation: str = "silu", tma: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """GEMM1 of fused_moe over the sorted rows of ``plan``.
+
+    hidden [T, H]; w13 [E, 2*I, H]. Returns ``y`` [plan.max_rows, I] in hidden's dtype where, for each live
+    sorted row r holding slot s = t*k + j of expert e: ``y[r] = act(hidden[t] @ w13[e, :I].T) *
+    (hidden[t] @ w13[e, I:].T)`` (fp32 accumulation, one rounding at the store); padding rows hold 0, rows past
+    the live blocks are not written. ``out`` (optional) is a preallocated ``y`` with unit inner stride.
+    """
+    _check_plan(plan, config, "gate_up")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    E, two_i, H = w13.shape
+    I = two_i // 2  # noqa: E741 - MoE intermediate size
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if out is None:
+        out = torch.empty((plan.max_rows, I), dtype=hidden.dtype, device=hidden.device)
+    d = _tma.decide(tma, {"w13": (w13, (1, bn, bk)), "inter": (out, (bm, bn))}, op="moe.gemm1")
+    if plan.max_blocks == 0 or I == 0:
+        return out
+    grid = (plan.max_blocks * triton.cdiv(I, bn),)
+    _gate_up_kernel[grid](
+        hidden, w13, out, plan.sorted_slots, plan.block_expert, plan.num_blocks,
+        E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, ACT=ACTIVATIONS[activation],
+        W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=_dot_precision(hidden.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+         plan: AlignPlan, *, config: KernelConfig, tma: str = "auto", deterministic: bool = False,
+         out_dtype=None) -> torch.Tensor:
+    """GEMM2 of fused_moe plus the routed-weight multiply and the reduction over top-k.
+
+    inter [plan.max_rows, I] (from :func:`gate_up`, unit inner stride); w2 [E, H, I]; topk_weights and
+    topk_ids [T, k]. Returns ``out`` [T, H] (``out_dtype``, default inter's dtype) with
+    ``out[t] = sum_j topk_weights[t, j] * inter[row(t, j)] @ w2[topk_ids[t, j]].T`` over the live slots.
+
+    ``deterministic=False``: fp32 atomic adds into a [T, H] fp32 buffer (then one cast unless out_dtype is
+    fp32); the add order varies, so bits can differ run to run. ``deterministic=True``: each slot's weighted
+    row is stored once ([T*k, H] in out_dtype, rounded once) and :func:`topk_sum` adds them in order j = 0..k-1;
+    bitwise reproducible, costs a write and a read of T*k*H elements.
+    """
+    _check_plan(plan, config, "down")
+    if inter.stride(-1) != 1:
+        raise ValueError(f"inter must have unit inner stride, got strides {tuple(inter.stride())}")
+    E, H, I = w2.shape  # noqa: E741
+    T, k = topk_ids.shape
+    out_dtype = inter.dtype if out_dtype is None else out_dtype
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    d = _tma.decide(tma, {"inter": (inter, (bm, bk)), "w2": (w2, (1, bn, bk))}, op="moe.gemm2")
+    dev = inter.device
+    if deterministic:
+        buf = torch.empty((T * k, H), dtype=out_dtype, device=dev)
+    else:
+        buf = torch.zeros((T, H), dtype=torch.float32, device=dev)
+    if plan.max_blocks > 0 and H > 0:
+        grid = (plan.max_blocks * triton.cdiv(H, bn),)
+        _down_kernel[grid](
+            inter, w2, buf, topk_weights, plan.sorted_slots, plan.block_expert, plan.num_blocks,
+            E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
+            inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(0),
+            topk_weights.stride(1), buf.stride(0), buf.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, Y_TMA=d["inter"], W_TMA=d["w2"],
+            ATOMIC=not deterministic, DOT_PRECISION=_dot_precision(inter.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    if deterministic:
+        return topk_sum(buf, topk_ids, E, out_dtype=out_dtype)
+    return buf if out_dtype == torch.float32 else buf.to(out_dtype)
+
+
+def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, out_dtype=None,
+             block_h: int = 1024) -> torch.Tensor:
+    """``out[t] = sum_j slot_rows[t*k + j]`` (fp32, j in order) over slots with ids in [0, num_experts).
+
+    slot_rows [T*k, H] with unit inner stride; topk_ids [T, k]. Returns [T, H] in ``out_dtype`` (default
+    slot_rows' dtype). Rows of dropped slots are never read, so they may hold garbage."""
+    T, k = topk_ids.shape
+    H = slot_rows.shape[1]
+    if slot_rows.shape[0] != T * k or slot_rows.stride(-1) != 1:
+        raise ValueError(f"slot_rows must be [{T * k}, H] with unit inner stride, got shape "
+                         f"{tuple(slot_rows.shape)} strides {tuple(slot_rows.stride())}")
+    out = torch.empty((T, H), dtype=out_dtype or slot_rows.dtype, device=slot_rows.device)
+    if T == 0 or H == 0:
+        return out
+    bh = min(block_h, triton.next_power_of_2(H))
+    _topk_sum_kernel[(T, triton.cdiv(H, bh))](
+        slot_rows, topk_ids.reshape(-1), out, num_experts, H, slot_rows.stride(0), out.stride(0), out.stride(1),
+        TOP_K=k, BLOCK_H=bh, num_warps=4,
+    )
+    return out
