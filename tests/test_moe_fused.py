@@ -1,0 +1,199 @@
+"""fused_moe against the fp64 per-expert reference, on both memory paths; errors; configs."""
+
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import hopperkern.moe.configs as moe_configs
+from hopperkern import moe, tma
+from hopperkern.moe import reference
+from hopperkern.tma import UnsupportedError
+from hopperkern.tuning import KernelConfig, MoeConfig, TuningConfig, moe_key
+
+# Normalised by max|ref|: the kernel's error must be <= 2x plain torch's in the same dtype plus this.
+ATOL = {torch.float32: 1e-6, torch.float16: 1e-4}
+
+
+def make_inputs(T, E, H, I, k, dtype, device, seed=0, drop=0.15):  # noqa: E741
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((T, H), generator=gen).to(dtype)
+    w13 = (torch.randn((E, 2 * I, H), generator=gen) / H ** 0.5).to(dtype)
+    w2 = (torch.randn((E, H, I), generator=gen) / I ** 0.5).to(dtype)
+    weights, ids = moe.route(torch.randn((T, E), generator=gen), k)
+    ids[torch.rand((T, k), generator=gen) < drop] = -1  # expert-parallel "not on this rank"
+    return [t.to(device) for t in (x, w13, w2, weights, ids)]
+
+
+def check_against_reference(out, args, activation="silu"):
+    x, w13, w2, weights, ids = args
+    cpu = [t.cpu() for t in args]
+    ref = reference.fused_moe(*cpu, activation=activation)
+    base = reference.fused_moe(*cpu, activation=activation, compute_dtype=x.dtype)
+    scale = ref.abs().max().clamp_min(1e-30)
+    err = ((out.cpu().double() - ref).abs().max() / scale).item()
+    err_torch = ((base.double() - ref).abs().max() / scale).item()
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert err <= 2 * err_torch + ATOL[x.dtype], f"kernel error {err:.3g} vs plain torch {err_torch:.3g}"
+    return ref
+
+
+@dataclass
+class Case:
+    T: int
+    E: int
+    H: int
+    I: int  # noqa: E741
+    k: int
+    dtype: torch.dtype
+    activation: str
+    why: str
+
+
+CASES = [
+    Case(20, 8, 64, 32, 2, torch.float32, "silu", "fp32: ieee dots; several experts, T > block_m"),
+    Case(20, 8, 64, 32, 2, torch.float16, "gelu_tanh", "fp16 gelu_tanh"),
+    Case(1, 8, 64, 32, 8, torch.float16, "silu", "T=1 decode, k=8"),
+    Case(7, 4, 64, 32, 4, torch.float16, "silu", "top-k = E, T < block_m"),
+    Case(9, 5, 40, 24, 3, torch.float32, "gelu_tanh", "H=40, I=24, prime E: tails in N and K (TMA-aligned in fp32)"),
+    Case(40, 2, 64, 16, 1, torch.float16, "silu", "k=1, two blocks per expert, I < block_n"),
+]
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.why)
+def test_fused_moe_matches_reference(case, mode, device):
+    args = make_inputs(case.T, case.E, case.H, case.I, case.k, case.dtype, device)
+    out = moe.fused_moe(*args, activation=case.activation, tma=mode)
+    check_against_reference(out, args, case.activation)
+    want = mode == "always"
+    assert dict(tma.last_decision("moe.gemm1").use) == {"w13": want, "inter": want}
+    assert dict(tma.last_decision("moe.gemm2").use) == {"inter": want, "w2": want}
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_deterministic_reduction(mode, device):
+    args = make_inputs(12, 6, 64, 32, 3, torch.float16, device, seed=4)
+    out = moe.fused_moe(*args, tma=mode, deterministic=True)
+    ref = check_against_reference(out, args)
+    again = moe.fused_moe(*args, tma=mode, deterministic=True)
+    assert torch.equal(out, again)
+    atomic = moe.fused_moe(*args, tma=mode)
+    scale = ref.abs().max().item()
+    assert (atomic.double() - out.double()).abs().max().item() <= 2e-3 * scale
+
+
+def test_odd_shapes_pointer_path_and_always_raises(device):
+    """H=44, I=20 in fp16: rows of 88 and 40 bytes are not 16-byte multiples, so TMA cannot read them."""
+    args = make_inputs(5, 4, 44, 20, 2, torch.float16, device, seed=5)
+    out = moe.fused_moe(*args, tma="auto")
+    check_against_reference(out, args)
+    assert not tma.last_decision("moe.gemm1").use["w13"]
+    with pytest.raises(UnsupportedError, match=r"moe.gemm1: tma='always' was asked for(.|\n)*w13: stride\(1\)=88"):
+        moe.fused_moe(*args, tma="always")
+
+
+def test_dropped_slots_and_tokens(device):
+    x, w13, w2, weights, ids = make_inputs(6, 4, 64, 32, 2, torch.float32, device, seed=6, drop=0.0)
+    ids[2, :] = -1  # token 2 routed nowhere on this rank
+    ids[4, 1] = -1
+    out = moe.fused_moe(x, w13, w2, weights, ids, tma="never")
+    check_against_reference(out, (x, w13, w2, weights, ids))
+    assert torch.count_nonzero(out[2]) == 0
+
+
+def test_unchecked_invalid_ids_are_dropped(device):
+    x, w13, w2, weights, ids = make_inputs(6, 4, 64, 32, 2, torch.float32, device, seed=7, drop=0.0)
+    bad = ids.clone()
+    bad[1, 0] = 9
+    out = moe.fused_moe(x, w13, w2, weights, bad, tma="never", check_ids=False)
+    dropped = ids.clone()
+    dropped[1, 0] = -1
+    check_against_reference(out, (x, w13, w2, weights, dropped))
+
+
+def test_noncontiguous_inputs_by_strides(device):
+    """Strided hidden, a transposed w13 view (not TMA-eligible: 'auto' falls back), strided weights/ids."""
+    x, w13, w2, weights, ids = make_inputs(10, 4, 64, 32, 2, torch.float32, device, seed=8)
+    x_s = torch.zeros((10, 128), device=device)[:, ::2]
+    x_s.copy_(x)
+    w13_t = w13.transpose(1, 2).contiguous().transpose(1, 2)  # same values, stride(-1) != 1
+    weights_t = weights.T.contiguous().T
+    ids_t = ids.T.contiguous().T
+    out = moe.fused_moe(x_s, w13_t, w2, weights_t, ids_t, tma="auto")
+    check_against_reference(out, (x, w13, w2, weights, ids))
+    d = tma.last_decision("moe.gemm1")
+    assert not d.use["w13"] and d.use["inter"]
+    assert any("last stride" in r for r in d.reasons["w13"])
+
+
+def test_explicit_config_and_fp16_weights_dtype(device):
+    args = make_inputs(30, 4, 64, 64, 2, torch.float16, device, seed=9)
+    cfg = MoeConfig(gemm1=KernelConfig(block_m=32, block_n=16, block_k=64, group_m=2, num_warps=4, num_stages=1),
+                    gemm2=KernelConfig(block_m=32, block_n=64, block_k=16, group_m=1, num_warps=4, num_stages=1))
+    out = moe.fused_moe(*args, tma="always", config=cfg)
+    check_against_reference(out, args)
+
+
+def test_zero_tokens(device):
+    x, w13, w2, weights, ids = make_inputs(1, 4, 64, 32, 2, torch.float16, device)
+    out = moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
+    assert out.shape == (0, 64) and out.dtype == torch.float16
+
+
+def _err_args(device):
+    return dict(zip(("hidden", "w13", "w2", "topk_weights", "topk_ids"),
+                    make_inputs(3, 4, 64, 32, 2, torch.float16, device, drop=0.0)))
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (lambda a: a["topk_ids"].__setitem__((1, 1), 7), ValueError,
+     r"topk_ids must be in \[-1, 4\) \(-1 drops a slot\), got expert ids 7"),
+    (lambda a: a["topk_ids"].__setitem__((0, 0), -2), ValueError, r"got expert ids -2"),
+    (lambda a: a.update(w13=a["w13"][:, :62]), ValueError, r"w13 must be \[E, 2\*I, H\] = \(4, 64, 64\)"),
+    (lambda a: a.update(w2=a["w2"][:, :60]), ValueError, r"w2 must be \[E, H, I\] with H = 64"),
+    (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), ValueError,
+     r"topk_weights must have the shape of topk_ids \(3, 2\), got shape \(3, 1\)"),
+    (lambda a: a.update(topk_ids=a["topk_ids"][:2]), ValueError, "topk_ids must have 3 rows"),
+    (lambda a: a.update(w2=a["w2"].float()), TypeError, r"w2 must be float16 \(the dtype of hidden\), got float32"),
+    (lambda a: a.update(topk_ids=a["topk_ids"].float()), TypeError, "topk_ids must be int32 or int64, got float32"),
+    (lambda a: a.update(hidden=a["hidden"][None]), ValueError, "hidden must be 2-D"),
+    (lambda a: a.update(activation="relu"), ValueError, r"activation must be one of \('silu', 'gelu_tanh'\), got 'relu'"),
+    (lambda a: a.update(tma="sometimes"), ValueError, r"tma must be one of \('auto', 'always', 'never'\)"),
+])
+def test_fused_moe_errors(change, exc, match, device):
+    a = _err_args(device)
+    change(a)
+    with pytest.raises(exc, match=match):
+        moe.fused_moe(**a)
+
+
+def test_heuristic_configs_scale_with_tokens():
+    small = moe.heuristic_config(128, 2048, 768, T=1, top_k=8)
+    big = moe.heuristic_config(128, 2048, 768, T=16384, top_k=8)
+    assert small.gemm1.block_m == 16 and big.gemm1.block_m == 128 and big.gemm1.num_warps == 8
+    # decode: narrow N tiles so >= 2 programs per SM stream weights (8 experts x 768/16 = 384 >= 264)
+    assert small.gemm1.block_n == 16 and 8 * (768 // small.gemm1.block_n) >= 2 * 132
+
+
+def test_interpreter_uses_fixed_config():
+    cfg, origin = moe.moe_launch_config(8, 64, 32, torch.float16, 20, 2)
+    assert origin == "interpreter" and cfg == moe_configs.INTERPRETER_CONFIG
+
+
+def test_missing_shape_in_tuning_file_warns_once(tmp_path, monkeypatch):
+    path = tmp_path / "gpu.json"
+    entry = {"1": moe.heuristic_config(8, 64, 32, 1, 2)}
+    TuningConfig(device_name="test", moe={moe_key(8, 64, 32, torch.float16): entry}).save(path)
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(path))
+    monkeypatch.setattr(moe_configs, "interpreter_active", lambda: False)
+    cfg, origin = moe.moe_launch_config(8, 64, 32, torch.float16, 3, 2)
+    assert origin == str(path) and cfg == entry["1"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            cfg, origin = moe.moe_launch_config(8, 96, 32, torch.float16, 3, 2)
+    assert origin == "heuristics"
+    msgs = [str(w.message) for w in caught if "no MoE entry" in str(w.message)]
+    assert len(msgs) == 1 and "E8_H96_I32_float16" in msgs[0]

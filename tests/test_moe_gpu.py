@@ -1,0 +1,130 @@
+"""GPU-only MoE tests (run on the H200 with ``pytest -m gpu``): bf16 on the real shapes, CUDA-graph capture of
+a decode step, a call from a worker thread (device-side TMA descriptors need a per-thread allocator)."""
+
+import threading
+
+import pytest
+import torch
+
+from hopperkern import moe, tma
+from hopperkern.moe import reference
+
+pytestmark = pytest.mark.gpu
+
+# (name, E, top_k, H, I) from shared/PERF.md
+SHAPES = [
+    ("qwen3-30B-A3B", 128, 8, 2048, 768),
+    ("deepseek-V3-TP8", 256, 8, 7168, 256),
+    ("mixtral-8x7B", 8, 2, 4096, 14336),
+    ("qwen3-235B-TP4", 128, 8, 4096, 384),
+    ("gpt-oss-120B", 128, 4, 2880, 2880),
+]
+
+_WEIGHTS = {}
+
+
+def _weights(E, H, I, dtype=torch.bfloat16):  # noqa: E741
+    key = (E, H, I, dtype)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()  # one shape at a time: mixtral's weights are 2.8 GB
+        gen = torch.Generator(device="cuda").manual_seed(E + H + I)
+        w13 = (torch.randn((E, 2 * I, H), generator=gen, device="cuda") / H ** 0.5).to(dtype)
+        w2 = (torch.randn((E, H, I), generator=gen, device="cuda") / I ** 0.5).to(dtype)
+        _WEIGHTS[key] = (w13, w2)
+    return _WEIGHTS[key]
+
+
+def _tokens(T, E, H, k, seed=0, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(dtype)
+    weights, ids = moe.route(torch.randn((T, E), generator=gen, device="cuda"), k)
+    return x, weights, ids
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("T", [3, 300])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+def test_bf16_real_shapes(shape, T):
+    _, E, k, H, I = shape  # noqa: E741
+    w13, w2 = _weights(E, H, I)
+    x, weights, ids = _tokens(T, E, H, k)
+    ids[0, 0] = -1
+    out = moe.fused_moe(x, w13, w2, weights, ids)
+    ref = reference.fused_moe(x, w13, w2, weights, ids, compute_dtype=torch.float32)
+    base = reference.fused_moe(x, w13, w2, weights, ids, compute_dtype=torch.bfloat16)
+    err, err_torch = _rel_err(out, ref), _rel_err(base, ref)
+    assert err <= 2 * err_torch + 2e-3, f"kernel {err:.3g} vs torch bf16 {err_torch:.3g}"
+    assert tma.last_decision("moe.gemm1").use["w13"] and tma.last_decision("moe.gemm2").use["w2"]
+    never = moe.fused_moe(x, w13, w2, weights, ids, tma="never", deterministic=True)
+    assert _rel_err(never, ref) <= 2 * err_torch + 2e-3
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_cuda_graph_decode_step(T, deterministic):
+    """route + fused_moe captured once (check_ids=False: no host sync), replayed on new inputs."""
+    _, E, k, H, I = SHAPES[0]  # noqa: E741
+    w13, w2 = _weights(E, H, I)
+    x, _, _ = _tokens(T, E, H, k, seed=1)
+    logits = torch.randn((T, E), device="cuda")
+
+    def step():
+        w, ids = moe.route(logits, k)
+        return moe.fused_moe(x, w13, w2, w, ids, check_ids=False, deterministic=deterministic)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # compile and warm up outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(100 + seed)
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        logits.copy_(torch.randn(logits.shape, generator=gen, device="cuda"))
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        if deterministic:
+            assert torch.equal(static_out, eager)
+        else:
+            torch.testing.assert_close(static_out, eager, rtol=1e-2, atol=1e-3)
+
+
+def test_call_from_worker_thread():
+    """tma='always' on a fresh thread: fails with 'no allocator was set' unless the launcher installs one."""
+    _, E, k, H, I = SHAPES[0]  # noqa: E741
+    w13, w2 = _weights(E, H, I)
+    x, weights, ids = _tokens(5, E, H, k, seed=2)
+    main = moe.fused_moe(x, w13, w2, weights, ids, tma="always", deterministic=True)
+    result = {}
+
+    def work():
+        try:
+            result["out"] = moe.fused_moe(x, w13, w2, weights, ids, tma="always", deterministic=True)
+        except Exception as exc:  # re-raised in the main thread
+            result["exc"] = exc
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    if "exc" in result:
+        raise result["exc"]
+    assert torch.equal(result["out"], main)
+
+
+def test_large_prefill_against_reference():
+    """T=8192 on qwen3-30B: block_m 128 configs, multi-chunk alignment, atomics over k=8."""
+    _, E, k, H, I = SHAPES[0]  # noqa: E741
+    w13, w2 = _weights(E, H, I)
+    x, weights, ids = _tokens(8192, E, H, k, seed=3)
+    out = moe.fused_moe(x, w13, w2, weights, ids)
+    ref = reference.fused_moe(x, w13, w2, weights, ids, compute_dtype=torch.float32)
+    base = reference.fused_moe(x, w13, w2, weights, ids, compute_dtype=torch.bfloat16)
+    assert _rel_err(out, ref) <= 2 * _rel_err(base, ref) + 2e-3
