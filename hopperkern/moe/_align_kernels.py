@@ -90,7 +90,7 @@ def _fill_blocks(tile, starts, ends, tot, block_expert_ptr, sorted_ptr, max_bloc
     tl.store(sorted_ptr + rows, tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_slots, mask=pad)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "E", "max_blocks"])
 def _align_small_kernel(
     ids_ptr,          # [num_slots] int32/int64, flattened topk_ids
     sorted_ptr,       # [max_blocks * BLOCK_M] int32 out: slot per sorted row, sentinel num_slots in padding
@@ -112,7 +112,7 @@ def _align_small_kernel(
                      BLOCK_M, BLOCK_B, E_P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "E"])
 def _align_count_kernel(
     ids_ptr,          # [num_slots] int32/int64
     chunk_counts_ptr, # [num_chunks, E_P] int32 out: histogram of bins per chunk
@@ -125,7 +125,7 @@ def _align_count_kernel(
     tl.store(chunk_counts_ptr + c * E_P + tl.arange(0, E_P), tl.histogram(bins, E_P))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "E"])
 def _align_scan_kernel(
     chunk_counts_ptr, # [num_chunks, E_P] int32
     base_ptr,         # [num_chunks, E_P] int32 out: first sorted row of chunk c's expert-e slots
@@ -153,7 +153,7 @@ def _align_scan_kernel(
         running += tl.sum(rows, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "E"])
 def _align_scatter_kernel(
     ids_ptr,          # [num_slots] int32/int64
     base_ptr,         # [num_chunks, E_P] int32
@@ -168,7 +168,7 @@ def _align_scatter_kernel(
     _scatter_chunk(ids_ptr, c, num_slots, base, sorted_ptr, E, CHUNK, SUB, E_P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "num_slots", "E"])
 def _align_blocks_kernel(
     offsets_ptr,      # [E + 1] int32
     counts_ptr,       # [E] int32

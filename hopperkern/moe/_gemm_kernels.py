@@ -17,6 +17,10 @@ from ..tma.jit import load_2d, load_3d, load_rows, store_2d, tile_source_2d, til
 ACT_SILU = 0
 ACT_GELU_TANH = 1
 
+# Token-count-dependent ints: not specialised (divisibility by 16, == 1), so one compiled variant serves every
+# batch size of a shape. H, I and the strides stay specialised (alignment of the vector loads).
+_RUNTIME_INTS = ["E", "num_slots", "top_k", "max_blocks"]
+
 
 @triton.jit
 def _sigmoid(x):
@@ -48,7 +52,7 @@ def _block_coords(num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _gate_up_kernel(
     x_ptr,            # [T, H] hidden (any strides), fp16/bf16/fp32
     w_ptr,            # [E, 2*I, H] w13: rows 0..I-1 gate, I..2I-1 up
@@ -94,7 +98,7 @@ def _gate_up_kernel(
              BLOCK_M, BLOCK_N, Y_TMA)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _down_kernel(
     y_ptr,            # [max_blocks*BLOCK_M, I] sorted intermediate rows (unit inner stride)
     w_ptr,            # [E, H, I] w2

@@ -1,0 +1,278 @@
+"""MoE benchmark: hopperkern.moe.fused_moe (tma auto / never / deterministic) vs a torch._grouped_mm MLP.
+
+Cases: the five shared/PERF.md shapes x M tokens in {1, 16, 64, 256, 1024, 4096, 16384}, bf16, softmax top-k
+of a random router. Decode sizes (M <= 64) are timed as CUDA-graph replays (fused_moe with check_ids=False
+inside the graph); larger M eagerly. Every provider is checked against an fp32 reference before it is timed.
+
+Models (written next to the figures):
+  bytes  = distinct experts touched (counted from the ids) x (2I*H + H*I) x 2  +  x and out (2 x M*H*2)
+  FLOPs  = 2 * M * k * (2I*H + H*I)
+  %copy  = bytes / time / copy bandwidth (reported for M <= 256);  %cuBLAS = FLOPs / time / cuBLAS bf16 rate
+  (reported for M >= 1024). Both ceilings are measured in the same run (common.measure_ceilings).
+
+    python -m benchmarks.bench_moe --out DIR [--quick] [--shapes qwen3-30B-A3B mixtral-8x7B ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import measure_ceilings, run_meta, write_csv
+
+SHAPES = {  # name: (E, top_k, H, I), shared/PERF.md
+    "qwen3-30B-A3B": (128, 8, 2048, 768),
+    "deepseek-V3-TP8": (256, 8, 7168, 256),
+    "mixtral-8x7B": (8, 2, 4096, 14336),
+    "qwen3-235B-TP4": (128, 8, 4096, 384),
+    "gpt-oss-120B": (128, 4, 2880, 2880),
+}
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+QUICK_SHAPES = ("qwen3-30B-A3B", "mixtral-8x7B")
+QUICK_TOKENS = (1, 64, 4096)
+GRAPH_MAX_M = 64
+DEVICE, DTYPE = "cuda", torch.bfloat16  # module-level so a CPU dry run of the plumbing can swap them
+CHECK_ROWS = 256  # rows of out compared with the fp32 reference (rows are independent)
+
+
+def torch_grouped_moe(x, w13, w2, weights, ids):
+    """The same MLP from torch._grouped_mm: sort slots by expert, two grouped GEMMs, weighted sum over k.
+    No host sync (counts by scatter_add, not bincount), so it can be graph-captured too."""
+    T, k = ids.shape
+    E, two_i, _ = w13.shape
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    xs = x[order // k]
+    h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+    a = torch.nn.functional.silu(h[:, : two_i // 2]) * h[:, two_i // 2:]
+    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    y = y.float() * weights.reshape(-1)[order, None]
+    out = torch.empty_like(y)
+    out[order] = y
+    return out.view(T, k, -1).sum(1).to(x.dtype)
+
+
+def _reference(x, w13, w2, weights, ids):
+    from hopperkern.moe import reference
+
+    with _no_tf32():
+        return reference.fused_moe(x, w13, w2, weights, ids, compute_dtype=torch.float32)
+
+
+class _no_tf32:
+    def __enter__(self):
+        self.prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.prev
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _providers(det: bool):
+    from hopperkern import moe
+
+    provs = {
+        "hopperkern": lambda *a: moe.fused_moe(*a, check_ids=False),
+        "hopperkern-ptr": lambda *a: moe.fused_moe(*a, tma="never", check_ids=False),
+    }
+    if det:
+        provs["hopperkern-det"] = lambda *a: moe.fused_moe(*a, check_ids=False, deterministic=True)
+    provs["torch._grouped_mm"] = torch_grouped_moe
+    return provs
+
+
+def _graph(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def _time(fn, graph: bool):
+    """((median, p20, p80) ms, how) with triton.testing.do_bench; a CUDA-graph replay for decode sizes (eager
+    when capture fails, said in ``how``)."""
+    import triton
+
+    how = "eager"
+    if graph:
+        try:
+            g = _graph(fn)
+            fn, how = g.replay, "graph"
+        except Exception as exc:
+            torch.cuda.synchronize()
+            how = f"eager (graph capture failed: {type(exc).__name__})"
+    return triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=[0.5, 0.2, 0.8]), how
+
+
+def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
+    from hopperkern import moe
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = (torch.randn((E, 2 * I, H), generator=gen, device=DEVICE) * H ** -0.5).to(DTYPE)
+    w2 = (torch.randn((E, H, I), generator=gen, device=DEVICE) * I ** -0.5).to(DTYPE)
+    expert_bytes = (2 * I * H + H * I) * 2
+    rows = []
+    for M in tokens:
+        x = torch.randn((M, H), generator=gen, device=DEVICE).to(DTYPE)
+        weights, ids = moe.route(torch.randn((M, E), generator=gen, device=DEVICE), k)
+        distinct = int(torch.unique(ids).numel())
+        nbytes = distinct * expert_bytes + 2 * M * H * 2
+        flops = 2 * M * k * (2 * I * H + H * I)
+        c = min(M, CHECK_ROWS)
+        ref = _reference(x[:c], w13, w2, weights[:c], ids[:c])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg, origin = moe.moe_launch_config(E, H, I, DTYPE, M, k)
+        base = dict(meta, shape=name, E=E, top_k=k, H=H, I=I, M=M, distinct_experts=distinct, bytes=nbytes,
+                    flops=flops, config_source=origin, config=json.dumps(cfg.model_dump(), sort_keys=True),
+                    **ceil)
+        graph = M <= GRAPH_MAX_M
+        for pname, fn in provs.items():
+            row = dict(base, provider=pname)
+            args = (x, w13, w2, weights, ids)
+            try:
+                out = fn(*args)
+                row["rel_err"] = _rel_err(out[:c], ref)
+                del out
+                (med, p20, p80), row["timing"] = _time(lambda: fn(*args), graph)
+                row.update(time_us=med * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3,
+                           gbs=nbytes / med / 1e6, tflops=flops / med / 1e9)
+                row["pct_copy_bw"] = 100 * row["gbs"] / ceil["copy_gbs"] if M <= 256 else None
+                row["pct_cublas"] = 100 * row["tflops"] / ceil["cublas_bf16_tflops"] if M >= 1024 else None
+                log(f"{name} M={M} {pname}: {row['time_us']:.1f} us  err {row['rel_err']:.2e}")
+            except Exception as exc:  # report and go on: one failing provider must not hide the rest
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                log(f"{name} M={M} {pname}: FAILED {row['error']}")
+                traceback.print_exc(limit=3)
+            rows.append(row)
+        torch_rows = [r for r in rows if r["M"] == M and r["provider"] == "torch._grouped_mm" and "time_us" in r]
+        for r in rows:
+            if r["M"] == M and torch_rows and "time_us" in r:
+                r["speedup_vs_torch"] = torch_rows[0]["time_us"] / r["time_us"]
+        del x, weights, ids, ref
+    del w13, w2
+    torch.cuda.empty_cache()
+    return rows
+
+
+def check_grouped_mm_small() -> str:
+    """Correctness of the torch._grouped_mm provider at a small size (uneven groups, an empty expert)."""
+    from hopperkern import moe
+
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    E, k, H, I, T = 6, 2, 256, 128, 37  # noqa: E741
+    w13 = (torch.randn((E, 2 * I, H), generator=gen, device=DEVICE) * H ** -0.5).to(DTYPE)
+    w2 = (torch.randn((E, H, I), generator=gen, device=DEVICE) * I ** -0.5).to(DTYPE)
+    x = torch.randn((T, H), generator=gen, device=DEVICE).to(DTYPE)
+    logits = torch.randn((T, E), generator=gen, device=DEVICE)
+    logits[:, 3] = -30  # expert 3 gets no tokens
+    weights, ids = moe.route(logits, k)
+    err = _rel_err(torch_grouped_moe(x, w13, w2, weights, ids), _reference(x, w13, w2, weights, ids))
+    if err > 2e-2:
+        raise RuntimeError(f"torch._grouped_mm provider disagrees with the reference: rel err {err:.3g}")
+    return f"torch._grouped_mm provider ok at small size (rel err {err:.2e})"
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 4), squeeze=False)
+    for ax, s in zip(axes[0], shapes):
+        for p in provs:
+            pts = sorted((r["M"], r["time_us"]) for r in rows if r["shape"] == s and r["provider"] == p
+                         and r.get("time_us"))
+            if pts:
+                ax.plot([m for m, _ in pts], [t for _, t in pts], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M")
+        ax.set_title(s, fontsize=9)
+        ax.grid(True, which="both", lw=0.3)
+    axes[0][0].set_ylabel("latency (us), bf16")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(rows):
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title="MoE (bf16): latency; % of copy bandwidth (M <= 256) / % of cuBLAS (M >= 1024), same run")
+    for col in ("shape", "M", "provider", "us", "%copy", "%cuBLAS", "x torch", "rel err", "config"):
+        t.add_column(col)
+    for r in rows:
+        f = (lambda key, fmt: (fmt % r[key]) if r.get(key) is not None else "-")
+        t.add_row(r["shape"], str(r["M"]), r["provider"], f("time_us", "%.1f"), f("pct_copy_bw", "%.0f"),
+                  f("pct_cublas", "%.0f"), f("speedup_vs_torch", "%.2f"), f("rel_err", "%.1e"),
+                  escape(r.get("error", r["config_source"] if r["provider"].startswith("hopperkern") else ""))[:40])
+    Console(width=170).print(t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--quick", action="store_true", help="2 shapes x M in {1, 64, 4096}")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None)
+    ap.add_argument("--tokens", nargs="+", type=int, default=None)
+    ap.add_argument("--no-det", action="store_true", help="skip the deterministic-reduction provider")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe: no CUDA GPU, nothing to time")
+        return 0
+    from rich.progress import Progress
+
+    t0 = time.time()
+    meta = run_meta()
+    ceil = measure_ceilings()
+    print(json.dumps({**meta, **ceil}))
+    print(check_grouped_mm_small())
+    names = args.shapes or (list(QUICK_SHAPES) if args.quick else list(SHAPES))
+    tokens = tuple(args.tokens or (QUICK_TOKENS if args.quick else TOKENS))
+    provs = _providers(det=not (args.no_det or args.quick))
+    rows = []
+    with Progress() as prog:
+        task = prog.add_task("MoE shapes", total=len(names))
+        for name in names:
+            E, k, H, I = SHAPES[name]  # noqa: E741
+            rows += run_shape(name, E, k, H, I, tokens, provs, ceil, meta, prog.console.print)
+            prog.advance(task)
+    tag = meta["device"].replace(" ", "_")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / f"moe_{tag}.csv", rows)
+    plot(rows, args.out / f"moe_{tag}.png")
+    table(rows)
+    print(f"bench_moe: {len(rows)} rows in {time.time() - t0:.0f} s -> {args.out}/moe_{tag}.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
