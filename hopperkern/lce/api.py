@@ -28,6 +28,12 @@ def _flat(hidden: torch.Tensor) -> torch.Tensor:
     return hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
 
 
+def _small_contiguous(labels, bias):
+    """Flat contiguous labels [N] and bias [V]: the kernels index them with unit stride. Copies here are
+    O(N) and O(V) elements, never the [V, H] weight."""
+    return labels.reshape(-1).contiguous(), (bias.contiguous() if bias is not None else None)
+
+
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0, tma="auto",
                          check_labels=True):
@@ -56,7 +62,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     hidden, weight, bias = _autocast(hidden, weight, bias)
     validate_inputs(hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
                     z_loss=z_loss, softcap=softcap, temperature=temperature, tma=tma, reduction=reduction)
-    lab = labels.reshape(-1)
+    lab, bias = _small_contiguous(labels, bias)
     loss, _, _, _ = lce_forward_op(_flat(hidden), weight, lab, bias, ignore_index, float(label_smoothing),
                                    float(z_loss), float(softcap or 0.0), float(temperature), tma, False,
                                    bool(check_labels))
@@ -84,7 +90,7 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     """
     hidden, weight = _autocast(hidden, weight)
     validate_inputs(hidden, weight, labels, None, ignore_index=ignore_index, temperature=temperature, tma=tma)
-    lab = labels.reshape(-1)
+    lab, _ = _small_contiguous(labels, None)
     _, logprob, entropy, _ = lce_forward_op(_flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0, 0.0,
                                             float(temperature), tma, True, bool(check_labels))
     return logprob.view(labels.shape), entropy.view(labels.shape)

@@ -48,14 +48,14 @@ def lce_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Option
     g = [x.float().contiguous() if x is not None else None for x in (g_loss, g_logprob, g_entropy, g_lse)]
     dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, zlab=zlab,
                               need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
-    empty = hidden.new_empty((0,))
-    return (dh if dh is not None else empty, dw if dw is not None else empty, db if db is not None else empty)
+    # Custom-op outputs must not alias each other: one fresh empty tensor per missing gradient.
+    return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dh, dw, db))
 
 
 @lce_backward_op.register_fake
 def _(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_entropy, g_lse, ignore_index,
       label_smoothing, z_loss, softcap, temperature, tma, need_hidden_grad, need_weight_grad):
-    dh = torch.empty_like(hidden) if need_hidden_grad else hidden.new_empty((0,))
+    dh = hidden.new_empty(hidden.shape) if need_hidden_grad else hidden.new_empty((0,))  # contiguous, as real
     dw = weight.new_empty(weight.shape) if need_weight_grad else hidden.new_empty((0,))
     db = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,))
     return dh, dw, db
