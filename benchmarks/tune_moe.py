@@ -1,0 +1,176 @@
+"""MoE tuner: a small sweep of launch configs per (E, H, I, dtype) and token bucket on the current GPU.
+
+For each bucket the row block (block_m) comes from :func:`hopperkern.moe.configs.pick_block_m` (plus the
+neighbouring size for mid-size buckets); GEMM1 (gate/up) and GEMM2 (down, atomic reduction) are then timed
+separately over a few candidates each (triton.testing.do_bench, eager), and the pair with the lowest summed
+time wins. Candidates that fail (shared memory, compile) are skipped. Results merge into
+``configs/<DEVICE>.json`` through the hopperkern.tuning models; other entries (e.g. "lce") are kept.
+
+    python -m benchmarks.tune_moe --out configs/ [--shapes qwen3-30B-A3B ...] [--tokens 1 64 4096]
+                                  [--budget-s 180]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hopperkern.tuning import KernelConfig, MoeConfig, moe_key
+
+BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
+SHAPES = {  # name: (E, top_k, H, I), shared/PERF.md
+    "qwen3-30B-A3B": (128, 8, 2048, 768),
+    "deepseek-V3-TP8": (256, 8, 7168, 256),
+    "mixtral-8x7B": (8, 2, 4096, 14336),
+    "qwen3-235B-TP4": (128, 8, 4096, 384),
+    "gpt-oss-120B": (128, 4, 2880, 2880),
+}
+
+
+def _k(bm, bn, bk, warps, stages, group):
+    return KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=group)
+
+
+def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
+    """6-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m."""
+    if block_m <= 32:  # weight-bandwidth bound: narrow N tiles for many programs, deep K tiles and pipelines
+        t = [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
+             (16, 64, 4, 6), (32, 64, 4, 5)]
+        return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t]
+    if block_m == 64:
+        t = ([(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (32, 128, 4, 4), (64, 64, 4, 5)]
+             if gemm == 1 else
+             [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3)])
+        return [_k(64, bn, bk, w, s, 8) for bn, bk, w, s in t]
+    t = ([(64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3), (128, 32, 8, 4)]
+         if gemm == 1 else
+         [(128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (256, 32, 8, 4)])
+    return [_k(128, bn, bk, w, s, 8) for bn, bk, w, s in t]
+
+
+def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
+    from hopperkern.moe.configs import pick_block_m
+
+    bm = pick_block_m(T, top_k, E)
+    per_expert = T * top_k / E
+    if bm == 64 and per_expert > 48:
+        return [64, 128]
+    if bm == 128 and per_expert < 512:
+        return [128, 64]
+    return [bm]
+
+
+def _best(fn_of_cfg, cands, log, what):
+    import triton
+
+    best = None
+    for cfg in cands:
+        try:
+            ms = triton.testing.do_bench(lambda: fn_of_cfg(cfg), warmup=5, rep=20)
+        except Exception as exc:  # out of shared memory / registers, compile error: skip the candidate
+            log(f"    {what} {cfg.model_dump()} skipped: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    return best
+
+
+def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: float = 180.0, log=print):
+    """Sweep configs for ``shapes`` ((E, H, I, top_k) tuples) at each token count; stop starting new buckets
+    once ``time_budget_s`` is spent (those keep the heuristics). Returns ``{moe_key: {str(T): MoeConfig}}``."""
+    from hopperkern import moe
+
+    t0 = time.time()
+    result: dict = {}
+    for E, H, I, top_k in shapes:  # noqa: E741
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w13 = (torch.randn((E, 2 * I, H), generator=gen, device="cuda") * H ** -0.5).to(dtype)
+        w2 = (torch.randn((E, H, I), generator=gen, device="cuda") * I ** -0.5).to(dtype)
+        key = moe_key(E, H, I, dtype)
+        for T in token_counts:
+            if time.time() - t0 > time_budget_s:
+                log(f"tune_moe: time budget {time_budget_s:.0f} s spent; {key} T={T} keeps the heuristics")
+                continue
+            x = torch.randn((T, H), generator=gen, device="cuda").to(dtype)
+            weights, ids = moe.route(torch.randn((T, E), generator=gen, device="cuda"), top_k)
+            best = None
+            for bm in block_m_choices(T, top_k, E):
+                plan = moe.moe_align(ids, E, bm)
+                g1 = _best(lambda c: moe.gate_up(x, w13, plan, config=c), candidates(bm, 1), log, "gemm1")
+                if g1 is None:
+                    continue
+                inter = moe.gate_up(x, w13, plan, config=g1[1])
+                g2 = _best(lambda c: moe.down(inter, w2, weights, ids, plan, config=c), candidates(bm, 2), log,
+                           "gemm2")
+                if g2 is None:
+                    continue
+                total = g1[0] + g2[0]
+                log(f"  {key} T={T} block_m={bm}: gemm1 {g1[0] * 1e3:.1f} us {g1[1].model_dump()} | "
+                    f"gemm2 {g2[0] * 1e3:.1f} us {g2[1].model_dump()}")
+                if best is None or total < best[0]:
+                    best = (total, MoeConfig(gemm1=g1[1], gemm2=g2[1]))
+                del inter, plan
+            if best is not None:
+                result.setdefault(key, {})[str(T)] = best[1]
+                log(f"tune_moe: {key} T={T}: {best[0] * 1e3:.1f} us (t+{time.time() - t0:.0f} s)")
+            del x, weights, ids
+        del w13, w2
+        torch.cuda.empty_cache()
+    return result
+
+
+def tune_moe_default(time_budget_s: float = 180.0, log=print) -> dict:
+    """The five PERF.md shapes at the standard buckets, bf16 (what ``python -m benchmarks.tune`` calls)."""
+    shapes = [(E, H, I, k) for E, k, H, I in SHAPES.values()]
+    return tune_moe(shapes, BUCKETS, torch.bfloat16, time_budget_s, log)
+
+
+def merge_into_file(path: Path, found: dict) -> "object":
+    """Merge ``found`` into the tuning file at ``path`` (created if missing), keeping every other entry."""
+    import triton
+
+    from hopperkern import tuning
+    from hopperkern.tma import capability
+
+    cfg = tuning.load_config(path) if path.is_file() else tuning.TuningConfig()
+    data = cfg.model_dump()
+    for key, buckets in found.items():
+        data["moe"].setdefault(key, {}).update({b: c.model_dump() for b, c in buckets.items()})
+    data.update(device_name=capability().device_name or data["device_name"], triton_version=triton.__version__,
+                tuned_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                tuner="python -m benchmarks.tune_moe")
+    out = tuning.TuningConfig.model_validate(data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out.save(path)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("configs"), help="folder of <DEVICE>.json")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=list(BUCKETS))
+    ap.add_argument("--budget-s", type=float, default=180.0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_moe: needs a CUDA GPU")
+        return 1
+    from hopperkern.tma import capability
+
+    t0 = time.time()
+    shapes = [(SHAPES[n][0], SHAPES[n][2], SHAPES[n][3], SHAPES[n][1]) for n in args.shapes]
+    found = tune_moe(shapes, tuple(args.tokens), torch.bfloat16, args.budget_s)
+    path = args.out / f"{capability().config_name}.json"
+    merge_into_file(path, found)
+    n = sum(len(v) for v in found.values())
+    print(f"tune_moe: wrote {n} entries for {len(found)} shapes to {path} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
