@@ -20,16 +20,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_moe import SHAPES
 from hopperkern.tuning import KernelConfig, MoeConfig, moe_key
 
 BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
-SHAPES = {  # name: (E, top_k, H, I), shared/PERF.md
-    "qwen3-30B-A3B": (128, 8, 2048, 768),
-    "deepseek-V3-TP8": (256, 8, 7168, 256),
-    "mixtral-8x7B": (8, 2, 4096, 14336),
-    "qwen3-235B-TP4": (128, 8, 4096, 384),
-    "gpt-oss-120B": (128, 4, 2880, 2880),
-}
 
 
 def _k(bm, bn, bk, warps, stages, group):

@@ -52,6 +52,13 @@ def _block_coords(num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _block_slots(pid_m, slots_ptr, block_expert_ptr, num_slots, top_k, BLOCK_M: tl.constexpr):
+    """Expert of row block pid_m, and per row: slot, live (not padding), token (slot // top_k)."""
+    slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.load(block_expert_ptr + pid_m), slot, slot < num_slots, slot // top_k
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _gate_up_kernel(
     x_ptr,            # [T, H] hidden (any strides), fp16/bf16/fp32
@@ -74,11 +81,7 @@ def _gate_up_kernel(
     pid_m, pid_n = _block_coords(max_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    e = tl.load(block_expert_ptr + pid_m)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(slots_ptr + rows)
-    live = slot < num_slots
-    tok = slot // top_k
+    e, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, num_slots, top_k, BLOCK_M)
     n0 = pid_n * BLOCK_N
     w_src = tile_source_3d(w_ptr, E, 2 * I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
     y_dst = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_N, Y_TMA)
@@ -121,11 +124,7 @@ def _down_kernel(
     pid_m, pid_n = _block_coords(max_blocks, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    e = tl.load(block_expert_ptr + pid_m)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(slots_ptr + rows)
-    live = slot < num_slots
-    tok = slot // top_k
+    e, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, num_slots, top_k, BLOCK_M)
     n0 = pid_n * BLOCK_N
     y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
     w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
