@@ -1,4 +1,4 @@
-"""MoE benchmark: hopperkern.moe.fused_moe (tma auto / never / deterministic) vs a torch._grouped_mm MLP.
+"""MoE benchmark: hopperkern.moe.fused_moe (tma auto / never / atomic top-k sum) vs a torch._grouped_mm MLP.
 
 Cases: the five shared/PERF.md shapes x M tokens in {1, 16, 64, 256, 1024, 4096, 16384}, bf16, softmax top-k
 of a random router. Decode sizes (M <= 64) are timed as CUDA-graph replays (fused_moe with check_ids=False
@@ -82,15 +82,15 @@ def _rel_err(out, ref):
     return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def _providers(det: bool):
+def _providers(atomic: bool):
     from hopperkern import moe
 
     provs = {
         "hopperkern": lambda *a: moe.fused_moe(*a, check_ids=False),
         "hopperkern-ptr": lambda *a: moe.fused_moe(*a, tma="never", check_ids=False),
     }
-    if det:
-        provs["hopperkern-det"] = lambda *a: moe.fused_moe(*a, check_ids=False, deterministic=True)
+    if atomic:
+        provs["hopperkern-atomic"] = lambda *a: moe.fused_moe(*a, check_ids=False, deterministic=False)
     provs["torch._grouped_mm"] = torch_grouped_moe
     return provs
 
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 shapes x M in {1, 64, 4096}")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None)
     ap.add_argument("--tokens", nargs="+", type=int, default=None)
-    ap.add_argument("--no-det", action="store_true", help="skip the deterministic-reduction provider")
+    ap.add_argument("--no-atomic", action="store_true", help="skip the atomic top-k reduction provider")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe: no CUDA GPU, nothing to time")
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     print(check_grouped_mm_small())
     names = args.shapes or (list(QUICK_SHAPES) if args.quick else list(SHAPES))
     tokens = tuple(args.tokens or (QUICK_TOKENS if args.quick else TOKENS))
-    provs = _providers(det=not (args.no_det or args.quick))
+    provs = _providers(atomic=not (args.no_atomic or args.quick))
     rows = []
     with Progress() as prog:
         task = prog.add_task("MoE shapes", total=len(names))

@@ -58,7 +58,7 @@ def test_bf16_real_shapes(shape, T):
     err, err_torch = _rel_err(out, ref), _rel_err(base, ref)
     assert err <= 2 * err_torch + 2e-3, f"kernel {err:.3g} vs torch bf16 {err_torch:.3g}"
     assert tma.last_decision("moe.gemm1").use["w13"] and tma.last_decision("moe.gemm2").use["w2"]
-    never = moe.fused_moe(x, w13, w2, weights, ids, tma="never", deterministic=True)
+    never = moe.fused_moe(x, w13, w2, weights, ids, tma="never", deterministic=False)
     assert _rel_err(never, ref) <= 2 * err_torch + 2e-3
 
 
@@ -102,12 +102,12 @@ def test_call_from_worker_thread():
     _, E, k, H, I = SHAPES[0]  # noqa: E741
     w13, w2 = _weights(E, H, I)
     x, weights, ids = _tokens(5, E, H, k, seed=2)
-    main = moe.fused_moe(x, w13, w2, weights, ids, tma="always", deterministic=True)
+    main = moe.fused_moe(x, w13, w2, weights, ids, tma="always")
     result = {}
 
     def work():
         try:
-            result["out"] = moe.fused_moe(x, w13, w2, weights, ids, tma="always", deterministic=True)
+            result["out"] = moe.fused_moe(x, w13, w2, weights, ids, tma="always")
         except Exception as exc:  # re-raised in the main thread
             result["exc"] = exc
 
@@ -120,11 +120,12 @@ def test_call_from_worker_thread():
 
 
 def test_large_prefill_against_reference():
-    """T=8192 on qwen3-30B: block_m 128 configs, multi-chunk alignment, atomics over k=8."""
+    """T=8192 on qwen3-30B: block_m 128 configs, multi-chunk alignment, both top-k reductions over k=8."""
     _, E, k, H, I = SHAPES[0]  # noqa: E741
     w13, w2 = _weights(E, H, I)
     x, weights, ids = _tokens(8192, E, H, k, seed=3)
-    out = moe.fused_moe(x, w13, w2, weights, ids)
     ref = reference.fused_moe(x, w13, w2, weights, ids, compute_dtype=torch.float32)
     base = reference.fused_moe(x, w13, w2, weights, ids, compute_dtype=torch.bfloat16)
-    assert _rel_err(out, ref) <= 2 * _rel_err(base, ref) + 2e-3
+    for deterministic in (True, False):
+        out = moe.fused_moe(x, w13, w2, weights, ids, deterministic=deterministic)
+        assert _rel_err(out, ref) <= 2 * _rel_err(base, ref) + 2e-3

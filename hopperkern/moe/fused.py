@@ -61,7 +61,7 @@ def _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma):
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu", tma: str = "auto", check_ids: bool = True,
-              deterministic: bool = False, config: MoeConfig | None = None) -> torch.Tensor:
+              deterministic: bool = True, config: MoeConfig | None = None) -> torch.Tensor:
     """Mixture-of-Experts MLP of routed tokens. Equivalent plain PyTorch (see :mod:`hopperkern.moe.reference`)::
 
         out = zeros(T, H)
@@ -78,8 +78,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     see :func:`hopperkern.tma.decide`; decisions are recorded as "moe.gemm1" and "moe.gemm2").
     check_ids: validate the ids on the host first (one device->host sync). Pass False when ids are known valid
     and for CUDA-graph capture; invalid ids then drop their slots silently.
-    deterministic: False (default) reduces over top-k with fp32 atomics (bits may differ between runs);
-    True stores each slot's row and sums them in a fixed order (bitwise reproducible, more memory traffic).
+    deterministic: True (default) stores each slot's weighted row once (hidden's dtype) and sums the k rows
+    of a token in a fixed order, in fp32: bitwise reproducible. False adds the rows with fp32 atomics into a
+    [T, H] fp32 buffer, then casts: no [T*k, H] round trip, but the add order (so the last bits) varies run to
+    run, and it costs a memset and a cast launch. The default was picked on traffic estimates (the atomic
+    read-modify-writes miss L2 at prefill sizes; decode saves two launches); see benchmarks/bench_moe.py.
     config: a :class:`hopperkern.tuning.MoeConfig` to use instead of the tuning file / heuristics.
 
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte

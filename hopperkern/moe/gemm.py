@@ -72,7 +72,7 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
 
 
 def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-         plan: AlignPlan, *, config: KernelConfig, tma: str = "auto", deterministic: bool = False,
+         plan: AlignPlan, *, config: KernelConfig, tma: str = "auto", deterministic: bool = True,
          out_dtype=None) -> torch.Tensor:
     """GEMM2 of fused_moe plus the routed-weight multiply and the reduction over top-k.
 
