@@ -122,7 +122,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
     e_p = _pow2_at_least(E + 1, 32)  # histogram bins: one per expert plus the "dropped" bin E; >= warp size
     sub = _scatter_step(e_p)
     if num_slots <= _SMALL_MAX_SLOTS:
-        chunk = _pow2_at_least(num_slots, 32)
+        # >= 128 = 4 warps x 32 lanes, so no warp holds a replica of another's slots in the histogram input.
+        chunk = _pow2_at_least(num_slots, 128)
         _align_small_kernel[(1,)](
             ids, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.expert_counts, plan.num_blocks,
             num_slots, E, max_blocks,
