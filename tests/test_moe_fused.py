@@ -82,6 +82,24 @@ def test_atomic_and_deterministic_reductions(mode, device):
     check_against_reference(atomic, args)
 
 
+@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_direct_plan_matches_sorted_plan(mode, deterministic, device):
+    """Tiny batches skip the alignment (one slot per row block); same result as the sorted plan, including a
+    dropped slot and one expert chosen twice by a token."""
+    assert moe.prefer_direct(1, 8, 16) and moe.prefer_direct(2, 2, 16) and not moe.prefer_direct(3, 4, 16)
+    x, w13, w2, weights, ids = make_inputs(3, 16, 64, 32, 4, torch.float16, device, seed=10, drop=0.0)
+    ids[0, 1] = -1
+    ids[1, 2] = ids[1, 0]
+    cfg = moe_configs.INTERPRETER_CONFIG
+    outs = []
+    for plan in (moe.direct_plan(ids, 16, 16), moe.moe_align(ids, 16, 16)):
+        inter = moe.gate_up(x, w13, plan, config=cfg.gemm1, tma=mode)
+        outs.append(moe.down(inter, w2, weights, ids, plan, config=cfg.gemm2, tma=mode, deterministic=deterministic))
+    check_against_reference(outs[0], (x, w13, w2, weights, ids))
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=1e-4)
+
+
 def test_odd_shapes_pointer_path_and_always_raises(device):
     """H=44, I=20 in fp16: rows of 88 and 40 bytes are not 16-byte multiples, so TMA cannot read them."""
     args = make_inputs(5, 4, 44, 20, 2, torch.float16, device, seed=5)

@@ -63,7 +63,7 @@ def test_bf16_real_shapes(shape, T):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("T", [1, 4, 16])  # 1, 4: direct plan; 16: alignment kernel in the graph
 def test_cuda_graph_decode_step(T, deterministic):
     """route + fused_moe captured once (check_ids=False: no host sync), replayed on new inputs."""
     _, E, k, H, I = SHAPES[0]  # noqa: E741

@@ -5,14 +5,15 @@ Pipeline (each piece public, documented in its module):
 - :func:`route` (``routing``): router logits -> (topk_weights f32 [T, k], topk_ids int32 [T, k]); softmax
   top-k or DeepSeek-V3 sigmoid group-limited routing; ties go to the lower expert index.
 - :func:`moe_align` (``align``): per-expert counts, padded offsets, slots sorted by expert and padded to
-  block_m, expert per row block; Triton, no host sync (CUDA-graph capturable).
+  block_m, expert per row block; Triton, no host sync (CUDA-graph capturable). :func:`direct_plan`: no
+  alignment at all for tiny batches (one slot per row block).
 - :func:`gate_up` / :func:`down` / :func:`topk_sum` (``gemm``): the grouped GEMMs (3-D TMA weights, gathered
   token rows, fused act(gate) * up, routed-weight multiply and top-k reduction).
 - :func:`fused_moe` (``fused``): all of the above with validation and launch configs (``configs``).
 - :mod:`hopperkern.moe.reference`: plain-PyTorch reference with the same signature.
 """
 
-from .align import AlignPlan, max_blocks_for, moe_align
+from .align import AlignPlan, direct_plan, max_blocks_for, moe_align, prefer_direct
 from .configs import heuristic_config, moe_launch_config
 from .fused import check_expert_ids, fused_moe
 from .gemm import ACTIVATIONS, down, gate_up, topk_sum
@@ -23,6 +24,7 @@ __all__ = [
     "SCORINGS",
     "AlignPlan",
     "check_expert_ids",
+    "direct_plan",
     "down",
     "fused_moe",
     "gate_up",
@@ -30,6 +32,7 @@ __all__ = [
     "max_blocks_for",
     "moe_align",
     "moe_launch_config",
+    "prefer_direct",
     "route",
     "topk_sum",
 ]

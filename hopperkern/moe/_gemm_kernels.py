@@ -53,10 +53,22 @@ def _block_coords(num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_slots(pid_m, slots_ptr, block_expert_ptr, num_slots, top_k, BLOCK_M: tl.constexpr):
-    """Expert of row block pid_m, and per row: slot, live (not padding), token (slot // top_k)."""
-    slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return tl.load(block_expert_ptr + pid_m), slot, slot < num_slots, slot // top_k
+def _block_slots(pid_m, slots_ptr, block_expert_ptr, num_blocks_ptr, E, num_slots, top_k, BLOCK_M: tl.constexpr,
+                 DIRECT: tl.constexpr):
+    """Row block pid_m: (skip, expert, and per row: slot, live (not padding), token = slot // top_k).
+
+    Sorted plan: rows from the plan, skip past the device-side block count. DIRECT plan (tiny batches, no
+    alignment launch): block b is slot b alone (row 0; rows 1.. are padding), ``slots_ptr`` holds the
+    flattened topk_ids, and a slot whose id is outside [0, E) (-1: dropped) is skipped."""
+    if DIRECT:
+        e = tl.load(slots_ptr + pid_m).to(tl.int32)
+        slot = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
+        skip = (e < 0) | (e >= E)
+    else:
+        slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        e = tl.load(block_expert_ptr + pid_m)
+        skip = pid_m >= tl.load(num_blocks_ptr)
+    return skip, e, slot, slot < num_slots, slot // top_k
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -64,13 +76,14 @@ def _gate_up_kernel(
     x_ptr,            # [T, H] hidden (any strides), fp16/bf16/fp32
     w_ptr,            # [E, 2*I, H] w13: rows 0..I-1 gate, I..2I-1 up
     y_ptr,            # [max_blocks*BLOCK_M, I] out, hidden dtype: act(gate) * up per sorted row
-    slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots (sentinel num_slots in padding)
-    block_expert_ptr, # [max_blocks] int32
-    num_blocks_ptr,   # [1] int32 live blocks
+    slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots (sentinel num_slots in padding); DIRECT: ids
+    block_expert_ptr, # [max_blocks] int32 (unused when DIRECT)
+    num_blocks_ptr,   # [1] int32 live blocks (unused when DIRECT)
     E, H, I, num_rows, num_slots, top_k, max_blocks,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, W_TMA: tl.constexpr, Y_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """GEMM1: y[r, n] = act(x[tok(r)] . w13[e, n]) * (x[tok(r)] . w13[e, I + n]), M = sorted rows, N = I,
     K = H. Grid (max_blocks * cdiv(I, BLOCK_N),); one program = one row block x BLOCK_N columns of BOTH the
@@ -79,9 +92,10 @@ def _gate_up_kernel(
     Token rows are gathered by index (pointer loads; TMA gather is sm_100 only). Padding rows gather nothing
     (masked to zero) and store act(0) * 0 = 0."""
     pid_m, pid_n = _block_coords(max_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_blocks_ptr):
+    skip, e, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, num_blocks_ptr, E, num_slots, top_k,
+                                            BLOCK_M, DIRECT)
+    if skip:
         return
-    e, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, num_slots, top_k, BLOCK_M)
     n0 = pid_n * BLOCK_N
     w_src = tile_source_3d(w_ptr, E, 2 * I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
     y_dst = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_N, Y_TMA)
@@ -107,13 +121,14 @@ def _down_kernel(
     w_ptr,            # [E, H, I] w2
     out_ptr,          # ATOMIC: [T, H] fp32, zero-filled; else [T*top_k, H] one row per slot
     tw_ptr,           # [T, top_k] routing weights, any float dtype and strides
-    slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots
-    block_expert_ptr, # [max_blocks] int32
-    num_blocks_ptr,   # [1] int32
+    slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots; DIRECT: [T*top_k] flattened ids
+    block_expert_ptr, # [max_blocks] int32 (unused when DIRECT)
+    num_blocks_ptr,   # [1] int32 (unused when DIRECT)
     E, H, I, num_rows, num_slots, top_k, max_blocks,
     stride_ym, stride_we, stride_wh, stride_wi, stride_twt, stride_twk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     Y_TMA: tl.constexpr, W_TMA: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """GEMM2: z[r, n] = weight(slot(r)) * (y[r] . w2[e, n]), M = sorted rows, N = H, K = I. Grid
     (max_blocks * cdiv(H, BLOCK_N),); one program = one row block x BLOCK_N output columns.
@@ -122,9 +137,10 @@ def _down_kernel(
     (the top-k reduction happens here; the order of the adds varies run to run). Otherwise each slot's row
     is stored once into out[slot] and :func:`_topk_sum_kernel` adds the k rows in a fixed order."""
     pid_m, pid_n = _block_coords(max_blocks, tl.cdiv(H, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_blocks_ptr):
+    skip, e, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, num_blocks_ptr, E, num_slots, top_k,
+                                            BLOCK_M, DIRECT)
+    if skip:
         return
-    e, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, num_slots, top_k, BLOCK_M)
     n0 = pid_n * BLOCK_N
     y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
     w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)

@@ -16,6 +16,8 @@ Inside an expert, slots appear in increasing slot order, so the plan is determin
 expert-parallel "not on this rank" marker) are dropped; so are ids outside ``[0, E)`` (callers validate ids
 first: :func:`hopperkern.moe.fused_moe` does, unless ``check_ids=False``).
 
+:func:`direct_plan` is the no-launch alternative for tiny batches (see its docstring).
+
 Nothing here synchronises with the host: buffers have worst-case sizes computed from shapes only
 (``max_blocks = (T*k + min(E, T*k) * (block_m - 1)) // block_m``), and the GEMM programs past the real block
 count exit after reading ``num_blocks``. So the plan (and a decode-size fused_moe) can be captured in a CUDA graph.
@@ -37,7 +39,7 @@ from ._align_kernels import (
     _align_small_kernel,
 )
 
-__all__ = ["AlignPlan", "max_blocks_for", "moe_align"]
+__all__ = ["AlignPlan", "direct_plan", "max_blocks_for", "moe_align", "prefer_direct"]
 
 _SMALL_MAX_SLOTS = 1024  # up to this many slots, one program builds the whole plan (one launch)
 _CHUNK = 1024            # slots per program of the multi-program path
@@ -67,6 +69,12 @@ class AlignPlan:
     num_slots: int
     top_k: int
     num_experts: int
+    direct_ids: torch.Tensor | None = None  # [T*k] flattened topk_ids for a direct plan, else None
+
+    @property
+    def direct(self) -> bool:
+        """True for a :func:`direct_plan` (block b = slot b; the sorted-layout tensors are empty)."""
+        return self.direct_ids is not None
 
     @property
     def sentinel(self) -> int:
@@ -82,6 +90,27 @@ def max_blocks_for(num_slots: int, num_experts: int, block_m: int) -> int:
     """Worst-case number of row blocks: every non-empty expert wastes at most ``block_m - 1`` padding rows,
     and at most ``min(E, num_slots)`` experts are non-empty."""
     return (num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m
+
+
+def prefer_direct(T: int, top_k: int, num_experts: int) -> bool:
+    """Whether :func:`direct_plan` beats :func:`moe_align` for T tokens: one token (its k experts are distinct
+    under top-k routing) or so few slots (T*k <= E/4) that slots rarely share an expert, so reading an expert's
+    weights once per slot costs little extra traffic and saves the alignment launch."""
+    return T == 1 or 4 * T * top_k <= num_experts
+
+
+def direct_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
+    """A plan without alignment: row block b holds slot b alone (row b*block_m; the other rows are padding),
+    its expert read from ``topk_ids`` inside the GEMMs (ids outside [0, E), e.g. -1, skip their block).
+    No launch, no sorting; weights are read once per slot, so it pays off only for tiny batches
+    (:func:`prefer_direct`)."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D, got shape {tuple(topk_ids.shape)}")
+    T, k = topk_ids.shape
+    empty = torch.empty(0, dtype=torch.int32, device=topk_ids.device)
+    return AlignPlan(sorted_slots=empty, block_expert=empty, expert_offsets=empty, expert_counts=empty,
+                     num_blocks=empty, block_m=block_m, max_blocks=T * k, num_slots=T * k, top_k=k,
+                     num_experts=int(num_experts), direct_ids=topk_ids.reshape(-1))
 
 
 def _pow2_at_least(n: int, floor: int) -> int:

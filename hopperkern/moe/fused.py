@@ -8,7 +8,7 @@ from .. import tma as _tma
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
 from .._validate import check_same_dtype
 from ..tuning import MoeConfig
-from .align import moe_align
+from .align import direct_plan, moe_align, prefer_direct
 from .configs import moe_launch_config
 from .gemm import ACTIVATIONS, down, gate_up
 
@@ -95,7 +95,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         check_expert_ids(topk_ids, E)
     if config is None:
         config, _ = moe_launch_config(E, H, I, hidden.dtype, T, topk_ids.shape[1])
-    plan = moe_align(topk_ids, E, config.gemm1.block_m)
+    k = topk_ids.shape[1]
+    make_plan = direct_plan if prefer_direct(T, k, E) else moe_align
+    plan = make_plan(topk_ids, E, config.gemm1.block_m)
     inter = gate_up(hidden, w13, plan, config=config.gemm1, activation=activation, tma=tma)
     return down(inter, w2, topk_weights, topk_ids, plan, config=config.gemm2, tma=tma,
                 deterministic=deterministic, out_dtype=hidden.dtype)

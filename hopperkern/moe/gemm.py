@@ -31,6 +31,11 @@ def _dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _slots(plan: AlignPlan) -> torch.Tensor:
+    # A direct plan hands the kernels the flattened ids where a sorted plan hands the sorted slots.
+    return plan.direct_ids if plan.direct else plan.sorted_slots
+
+
 def _check_plan(plan: AlignPlan, config: KernelConfig, what: str) -> None:
     if config.block_m != plan.block_m:
         raise ValueError(f"{what}: config.block_m must be {plan.block_m} (the plan's block_m), got {config.block_m}")
@@ -61,11 +66,11 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
         return out
     grid = (plan.max_blocks * triton.cdiv(I, bn),)
     _gate_up_kernel[grid](
-        hidden, w13, out, plan.sorted_slots, plan.block_expert, plan.num_blocks,
+        hidden, w13, out, _slots(plan), plan.block_expert, plan.num_blocks,
         E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, ACT=ACTIVATIONS[activation],
-        W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=_dot_precision(hidden.dtype),
+        W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=_dot_precision(hidden.dtype), DIRECT=plan.direct,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -101,12 +106,12 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
     if plan.max_blocks > 0 and H > 0:
         grid = (plan.max_blocks * triton.cdiv(H, bn),)
         _down_kernel[grid](
-            inter, w2, buf, topk_weights, plan.sorted_slots, plan.block_expert, plan.num_blocks,
+            inter, w2, buf, topk_weights, _slots(plan), plan.block_expert, plan.num_blocks,
             E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(0),
             topk_weights.stride(1), buf.stride(0), buf.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, Y_TMA=d["inter"], W_TMA=d["w2"],
-            ATOMIC=not deterministic, DOT_PRECISION=_dot_precision(inter.dtype),
+            ATOMIC=not deterministic, DOT_PRECISION=_dot_precision(inter.dtype), DIRECT=plan.direct,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     if deterministic:
