@@ -36,7 +36,7 @@ __all__ = ["LceOptions", "lce_forward", "lce_backward", "check_labels", "validat
 DLOGITS_BUDGET = 128 * 2**20  # bytes of the per-slice d(logits) buffer
 STATS_BUDGET = 8 * 2**20  # bytes of the forward's per-split statistics (4 fp32 [S, N] arrays)
 _COMBINE_BLOCK = 128
-_TARGET_WAVES = 8
+_TARGET_WAVES = 20
 _ROW_BLOCK = 32  # rows per program of the O(N*H) label-logit kernel
 _ROW_BLOCK_K = 128
 
@@ -134,9 +134,9 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int) -> tuple[int,
     """(S, tiles_per_split): vocab splits per row block.
 
     Programs are long (tiles_per_split tiles each), so a partly filled last wave costs a whole program's time:
-    aim at >= ``_TARGET_WAVES`` waves of programs (a tail of <= 1/8), within ``STATS_BUDGET``. Measured on
-    the H200 (benchmarks/NOTES.md): at H = 896 the forward went from 2.3x to 1.6x of 1G going from ~1 wave
-    to 4 waves of programs.
+    aim at >= ``_TARGET_WAVES`` waves of programs (a tail of <= 1/20), within ``STATS_BUDGET``. Measured on
+    the H200 (benchmarks/NOTES.md): more, shorter programs were faster up to ~20 waves at H = 4096 and
+    beyond 4 waves at H = 896.
     """
     num_rb = triton.cdiv(N, cfg.block_m)
     num_vt = triton.cdiv(V, cfg.block_n)
