@@ -94,7 +94,8 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
             weights, ids = moe.route(torch.randn((T, E), generator=gen, device="cuda"), top_k)
             best = None
             for bm in block_m_choices(T, top_k, E):
-                plan = moe.moe_align(ids, E, bm)
+                make_plan = moe.direct_plan if moe.prefer_direct(T, top_k, E) else moe.moe_align  # as fused_moe
+                plan = make_plan(ids, E, bm)
                 g1 = _best(lambda c: moe.gate_up(x, w13, plan, config=c), candidates(bm, 1), log, "gemm1")
                 if g1 is None:
                     continue
