@@ -65,7 +65,7 @@ def _best(fn_of_cfg, cands, log, what):
     best = None
     for cfg in cands:
         try:
-            ms = triton.testing.do_bench(lambda: fn_of_cfg(cfg), warmup=5, rep=20)
+            ms = triton.testing.do_bench(lambda: fn_of_cfg(cfg), warmup=3, rep=10)
         except Exception as exc:  # out of shared memory / registers, compile error: skip the candidate
             log(f"    {what} {cfg.model_dump()} skipped: {type(exc).__name__}: {str(exc)[:100]}")
             continue
