@@ -214,3 +214,19 @@ def test_missing_shape_in_tuning_file_warns_once(tmp_path, monkeypatch):
     assert origin == "heuristics"
     msgs = [str(w.message) for w in caught if "no MoE entry" in str(w.message)]
     assert len(msgs) == 1 and "E8_H96_I32_float16" in msgs[0]
+
+
+def test_launcher_shape_checks(device):
+    """The public launchers refuse tensors that disagree with the plan (the kernels index by the plan)."""
+    x, w13, w2, weights, ids = make_inputs(4, 4, 64, 32, 2, torch.float16, device, drop=0.0)
+    cfg = moe_configs.INTERPRETER_CONFIG
+    plan = moe.moe_align(ids, 4, 16)
+    with pytest.raises(ValueError, match=r"gate_up: hidden must have shape \(4, 64\), got \(3, 64\)"):
+        moe.gate_up(x[:3], w13, plan, config=cfg.gemm1)
+    with pytest.raises(ValueError, match="config.block_m must be 16"):
+        moe.gate_up(x, w13, plan, config=KernelConfig(block_m=32, block_n=32, block_k=32))
+    inter = moe.gate_up(x, w13, plan, config=cfg.gemm1)
+    with pytest.raises(ValueError, match=r"down: inter must have shape"):
+        moe.down(inter[:-16], w2, weights, ids, plan, config=cfg.gemm2)
+    with pytest.raises(ValueError, match="down: w2 must have 4 experts"):
+        moe.down(inter, w2[:3], weights, ids, plan, config=cfg.gemm2)

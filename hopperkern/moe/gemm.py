@@ -36,6 +36,11 @@ def _slots(plan: AlignPlan) -> torch.Tensor:
     return plan.direct_ids if plan.direct else plan.sorted_slots
 
 
+def _check_shape(what: str, name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{what}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
 def _check_plan(plan: AlignPlan, config: KernelConfig, what: str) -> None:
     if config.block_m != plan.block_m:
         raise ValueError(f"{what}: config.block_m must be {plan.block_m} (the plan's block_m), got {config.block_m}")
@@ -58,9 +63,15 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     E, two_i, H = w13.shape
     I = two_i // 2  # noqa: E741 - MoE intermediate size
+    _check_shape("gate_up", "hidden", hidden, (plan.num_slots // max(plan.top_k, 1), H))
+    if E != plan.num_experts:
+        raise ValueError(f"gate_up: w13 must have {plan.num_experts} experts (the plan's), got {E}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if out is None:
         out = torch.empty((plan.max_rows, I), dtype=hidden.dtype, device=hidden.device)
+    _check_shape("gate_up", "out", out, (plan.max_rows, I))
+    if out.stride(-1) != 1:
+        raise ValueError(f"gate_up: out must have unit inner stride, got strides {tuple(out.stride())}")
     d = _tma.decide(tma, {"w13": (w13, (1, bn, bk)), "inter": (out, (bm, bn))}, op="moe.gemm1")
     if plan.max_blocks == 0 or I == 0:
         return out
@@ -95,6 +106,11 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
         raise ValueError(f"inter must have unit inner stride, got strides {tuple(inter.stride())}")
     E, H, I = w2.shape  # noqa: E741
     T, k = topk_ids.shape
+    _check_shape("down", "inter", inter, (plan.max_rows, I))
+    _check_shape("down", "topk_ids", topk_ids, (plan.num_slots // max(plan.top_k, 1), plan.top_k))
+    _check_shape("down", "topk_weights", topk_weights, (T, k))
+    if E != plan.num_experts:
+        raise ValueError(f"down: w2 must have {plan.num_experts} experts (the plan's), got {E}")
     out_dtype = inter.dtype if out_dtype is None else out_dtype
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     d = _tma.decide(tma, {"inter": (inter, (bm, bk)), "w2": (w2, (1, bn, bk))}, op="moe.gemm2")
