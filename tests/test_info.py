@@ -2,6 +2,7 @@
 
 import importlib
 import io
+import dataclasses
 import json
 import os
 import subprocess
@@ -147,12 +148,14 @@ def test_last_launch_is_reported():
 
 
 def test_tuning_fallback_is_reported_without_a_warning(monkeypatch):
-    _fake_capability(monkeypatch, H200)
+    """A GPU with no packaged tuning file: info reports the fallback and the files it looked for, no warning."""
+    untuned = dataclasses.replace(H200, device_name="NVIDIA Untuned Test GPU")
+    _fake_capability(monkeypatch, untuned)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the warning belongs to the ops; info reports the same facts
         t = info.collect()["tuning"]
     assert t["loaded"] == "built-in defaults" and t["why"] == "current GPU" and t["error"] is None
-    assert t["looked_for"] == [str(d / "NVIDIA_H200.json") for d in tuning.packaged_config_dirs()]
+    assert t["looked_for"] == [str(d / "NVIDIA_Untuned_Test_GPU.json") for d in tuning.packaged_config_dirs()]
     assert t["hint"] == "tune this GPU with: python -m benchmarks.tune --out configs/"
 
 
