@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import measure_ceilings, run_meta, write_csv
+from benchmarks.common import capture_graph, measure_ceilings, run_meta, write_csv
 
 SHAPES = {  # name: (E, top_k, H, I), shared/PERF.md
     "qwen3-30B-A3B": (128, 8, 2048, 768),
@@ -95,19 +95,6 @@ def _providers(atomic: bool):
     return provs
 
 
-def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def _time(fn, graph: bool):
     """((median, p20, p80) ms, how) with triton.testing.do_bench; a CUDA-graph replay for decode sizes (eager
     when capture fails, said in ``how``)."""
@@ -116,7 +103,7 @@ def _time(fn, graph: bool):
     how = "eager"
     if graph:
         try:
-            g = _graph(fn)
+            g = capture_graph(fn)
             fn, how = g.replay, "graph"
         except Exception as exc:
             torch.cuda.synchronize()

@@ -33,18 +33,23 @@ def time_cuda(fn, *, warmup: int = 2, reps: int = 7, min_ms: float = 0.0, max_re
     return statistics.median(times), q[0], q[-1]
 
 
-def time_graph(fn, *, reps: int = 50):
-    """Median ms of a CUDA-graph replay of ``fn`` (for launch-bound decode sizes)."""
+def capture_graph(fn, *, warmup: int = 2):
+    """A CUDA graph of one call of ``fn``, after ``warmup`` calls on a side stream (compiles, allocations)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return time_cuda(g.replay, warmup=3, reps=reps)
+    return g
+
+
+def time_graph(fn, *, reps: int = 50):
+    """(median, p20, p80) ms of CUDA-graph replays of ``fn`` (for launch-bound decode sizes)."""
+    return time_cuda(capture_graph(fn, warmup=3).replay, warmup=3, reps=reps)
 
 
 def measure_ceilings() -> dict:
