@@ -26,25 +26,34 @@ from hopperkern.tuning import KernelConfig, MoeConfig, moe_key
 BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
-def _k(bm, bn, bk, warps, stages, group):
-    return KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=group)
+def _k(bm, bn, bk, warps, stages, group, flatten=False):
+    return KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=group,
+                        flatten=flatten)
 
 
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
-    """6-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m."""
+    """6-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
+
+    Prefill sizes (block_m >= 64) include flattened tile loops (the persistent kernels prefetch the next
+    tile's K loads under this tile's epilogue); they replace the configs that never won on the H200.
+    No flattened 128 x 256 down tile: it spills (python -m benchmarks.compile_moe_sm90)."""
     if block_m <= 32:  # weight-bandwidth bound: narrow N tiles for many programs, deep K tiles and pipelines
         t = [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
              (16, 64, 4, 6), (32, 64, 4, 5)]
         return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t]
     if block_m == 64:
-        t = ([(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (32, 128, 4, 4), (64, 64, 4, 5)]
+        t = ([(64, 64, 4, 4, 0), (64, 128, 4, 3, 0), (128, 64, 8, 3, 0), (64, 64, 4, 5, 0), (64, 64, 4, 4, 1),
+              (128, 64, 8, 3, 1)]
              if gemm == 1 else
-             [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3)])
-        return [_k(64, bn, bk, w, s, 8) for bn, bk, w, s in t]
-    t = ([(64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3), (128, 32, 8, 4)]
+             [(64, 64, 4, 4, 0), (128, 64, 4, 4, 0), (128, 64, 8, 3, 0), (256, 64, 8, 3, 0), (128, 64, 4, 4, 1),
+              (128, 64, 8, 3, 1)])
+        return [_k(64, bn, bk, w, s, 8, bool(f)) for bn, bk, w, s, f in t]
+    t = ([(64, 64, 4, 4, 0), (128, 64, 8, 3, 0), (128, 64, 8, 4, 0), (64, 64, 4, 4, 1), (128, 64, 8, 3, 1),
+          (128, 64, 8, 4, 1)]
          if gemm == 1 else
-         [(128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (256, 32, 8, 4)])
-    return [_k(128, bn, bk, w, s, 8) for bn, bk, w, s in t]
+         [(128, 64, 8, 3, 0), (128, 64, 8, 4, 0), (256, 64, 8, 3, 0), (256, 32, 8, 4, 0), (128, 64, 8, 3, 1),
+          (128, 64, 8, 4, 1)])
+    return [_k(128, bn, bk, w, s, 8, bool(f)) for bn, bk, w, s, f in t]
 
 
 def block_m_choices(T: int, top_k: int, E: int) -> list[int]:

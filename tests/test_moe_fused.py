@@ -153,6 +153,35 @@ def test_explicit_config_and_fp16_weights_dtype(device):
     check_against_reference(out, args)
 
 
+@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize("flatten", [False, True], ids=["loop", "flatten"])
+def test_persistent_programs_take_several_tiles(mode, flatten, device):
+    """The interpreter's persistent grid is 2 programs, so each takes 10+ (row block, N tile) tiles: grouped
+    order with group_m not dividing the live block count, live blocks below max_blocks, a sorted plan and a
+    direct plan with a dropped slot (zero K steps), flattened and plain tile loops."""
+    g = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=3, num_warps=4, num_stages=1, flatten=flatten)
+    assert moe_configs.num_programs(g, 2, 2) == moe_configs.num_programs(g, 2, 1) == 2
+    args = make_inputs(24, 6, 64, 48, 2, torch.float16, device, seed=11)
+    out = moe.fused_moe(*args, tma=mode, config=MoeConfig(gemm1=g, gemm2=g))
+    check_against_reference(out, args)
+    x, w13, w2, weights, ids = make_inputs(2, 16, 64, 48, 2, torch.float16, device, seed=12, drop=0.0)
+    ids[1, 0] = -1
+    plan = moe.direct_plan(ids, 16, 16)
+    inter = moe.gate_up(x, w13, plan, config=g, tma=mode)
+    out = moe.down(inter, w2, weights, ids, plan, config=g, tma=mode)
+    check_against_reference(out, (x, w13, w2, weights, ids))
+    assert tma.last_decision("moe.gemm2").use["w2"] == (mode == "always")
+
+
+def test_programs_per_sm_estimate():
+    """Prefill tiles (two 128x128 accumulators, 3 x 48 KiB stages) fit once per SM; small decode tiles several
+    times; the estimate never depends on the token count."""
+    big = moe.heuristic_config(128, 2048, 768, T=16384, top_k=8)
+    small = moe.heuristic_config(128, 2048, 768, T=1, top_k=8)
+    assert moe_configs.programs_per_sm(big.gemm1, 2, 2) == 1
+    assert moe_configs.programs_per_sm(small.gemm2, 2, 1) >= 2
+
+
 def test_zero_tokens(device):
     x, w13, w2, weights, ids = make_inputs(1, 4, 64, 32, 2, torch.float16, device)
     out = moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])

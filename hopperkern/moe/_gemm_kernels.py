@@ -1,9 +1,12 @@
 """Triton kernels of the two grouped GEMMs of fused_moe and the top-k reduction.
 
 Both GEMMs walk the sorted rows of an :class:`~hopperkern.moe.align.AlignPlan`: row block ``b`` (rows
-``b*BLOCK_M ..``) belongs to expert ``block_expert[b]``; programs whose block is past the device-side
-``num_blocks`` exit at once (the grid is sized from shapes only, so no host sync is needed). Inside each kernel
-the GEMM letters are ``M`` = sorted rows, ``N`` = output columns, ``K`` = reduction dim.
+``b*BLOCK_M ..``) belongs to expert ``block_expert[b]``. Both are persistent: ``NUM_PROGRAMS`` programs stride
+over the (row block, N tile) tiles, whose count is read on the device (``num_blocks * cdiv(N, BLOCK_N)``), so
+blocks past the live count cost nothing and the host never synchronises (CUDA-graph safe). Descriptors are
+built once per program; with ``FLATTEN`` the pipeliner prefetches the next tile's K loads under this tile's
+epilogue. Inside each kernel the GEMM letters are ``M`` = sorted rows, ``N`` = output columns, ``K`` =
+reduction dim.
 
 ONE body per GEMM serves both memory paths: weights come through 3-D tensor descriptors (boxes [1, BN, BK])
 or pointer loads, switched by constexpr flags chosen on the host by :func:`hopperkern.tma.decide`.
@@ -40,35 +43,47 @@ def _activation(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _block_coords(num_m, num_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program, row blocks visited in groups of GROUP_M so that programs running
-    together share weight tiles in L2 (neighbouring blocks usually belong to the same expert)."""
-    pid = tl.program_id(0)
+def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, N tile) of linear tile ``tile``, row blocks visited in groups of GROUP_M so that programs
+    running together share weight tiles in L2 (neighbouring blocks usually belong to the same expert)."""
     per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m = first_m + (tile % per_group) % group_size
+    pid_n = (tile % per_group) // group_size
     return pid_m, pid_n
 
 
 @triton.jit
-def _block_slots(pid_m, slots_ptr, block_expert_ptr, num_blocks_ptr, E, num_slots, top_k, BLOCK_M: tl.constexpr,
-                 DIRECT: tl.constexpr):
-    """Row block pid_m: (skip, expert, and per row: slot, live (not padding), token = slot // top_k).
+def _row_blocks(num_blocks_ptr, max_blocks, DIRECT: tl.constexpr):
+    """Row blocks to visit: the plan's device-side live count; a DIRECT plan has one block per slot."""
+    if DIRECT:
+        num_m = max_blocks
+    else:
+        num_m = tl.load(num_blocks_ptr)
+    return num_m
 
-    Sorted plan: rows from the plan, skip past the device-side block count. DIRECT plan (tiny batches, no
-    alignment launch): block b is slot b alone (row 0; rows 1.. are padding), ``slots_ptr`` holds the
-    flattened topk_ids, and a slot whose id is outside [0, E) (-1: dropped) is skipped."""
+
+@triton.jit
+def _block_slots(pid_m, slots_ptr, block_expert_ptr, E, num_slots, top_k, K, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DIRECT: tl.constexpr):
+    """Row block pid_m (< the live count): (expert, K steps, and per row: slot, live (not padding), token =
+    slot // top_k).
+
+    Sorted plan: rows from the plan. DIRECT plan (tiny batches, no alignment launch): block b is slot b alone
+    (row 0; rows 1.. are padding), ``slots_ptr`` holds the flattened topk_ids, and a slot whose id is outside
+    [0, E) (-1: dropped) gets zero K steps and no live row. A zero trip count rather than an ``if`` around the
+    tile keeps the tile loop a plain loop nest, which FLATTEN needs; no weight of the bad id is ever read."""
+    k_steps = tl.cdiv(K, BLOCK_K)
     if DIRECT:
         e = tl.load(slots_ptr + pid_m).to(tl.int32)
-        slot = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)
-        skip = (e < 0) | (e >= E)
+        ok = (e >= 0) & (e < E)
+        slot = tl.where((tl.arange(0, BLOCK_M) == 0) & ok, pid_m, num_slots)
+        k_steps = tl.where(ok, k_steps, 0)
     else:
         slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         e = tl.load(block_expert_ptr + pid_m)
-        skip = pid_m >= tl.load(num_blocks_ptr)
-    return skip, e, slot, slot < num_slots, slot // top_k
+    return e, k_steps, slot, slot < num_slots, slot // top_k
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -83,36 +98,39 @@ def _gate_up_kernel(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, W_TMA: tl.constexpr, Y_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """GEMM1: y[r, n] = act(x[tok(r)] . w13[e, n]) * (x[tok(r)] . w13[e, I + n]), M = sorted rows, N = I,
-    K = H. Grid (max_blocks * cdiv(I, BLOCK_N),); one program = one row block x BLOCK_N columns of BOTH the
-    gate and the up half (two accumulators), so the 2*I-wide pre-activation never reaches HBM.
+    K = H. Persistent grid (<= NUM_PROGRAMS,); one tile = one row block x BLOCK_N columns of BOTH the gate and
+    the up half (two accumulators), so the 2*I-wide pre-activation never reaches HBM; a program takes tiles
+    pid, pid + NUM_PROGRAMS, ... (a grid smaller than NUM_PROGRAMS means at most one tile each).
 
     Token rows are gathered by index (pointer loads; TMA gather is sm_100 only). Padding rows gather nothing
     (masked to zero) and store act(0) * 0 = 0."""
-    pid_m, pid_n = _block_coords(max_blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
-    skip, e, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, num_blocks_ptr, E, num_slots, top_k,
-                                            BLOCK_M, DIRECT)
-    if skip:
-        return
-    n0 = pid_n * BLOCK_N
     w_src = tile_source_3d(w_ptr, E, 2 * I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
     y_dst = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_N, Y_TMA)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(H, BLOCK_K)):
-        k0 = kk * BLOCK_K
-        # K tail: both paths read zeros past H. Gate columns past I (when I % BLOCK_N != 0) read up rows
-        # (or zeros); those output columns are never stored.
-        x = load_rows(x_ptr, tok, live, k0, H, stride_xt, stride_xh, BLOCK_K, False)
-        wg = load_3d(w_src, e, n0, k0, 2 * I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
-        wu = load_3d(w_src, e, I + n0, k0, 2 * I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
-        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
-    y = _activation(acc_g, ACT) * acc_u
-    store_2d(y_dst, y.to(y_ptr.dtype.element_ty), pid_m * BLOCK_M, n0, num_rows, I, stride_ym, 1,
-             BLOCK_M, BLOCK_N, Y_TMA)
+    num_m = _row_blocks(num_blocks_ptr, max_blocks, DIRECT)
+    num_n = tl.cdiv(I, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        e, k_steps, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, E, num_slots, top_k, H,
+                                                   BLOCK_M, BLOCK_K, DIRECT)
+        n0 = pid_n * BLOCK_N
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_steps):
+            k0 = kk * BLOCK_K
+            # K tail: both paths read zeros past H. Gate columns past I (when I % BLOCK_N != 0) read up rows
+            # (or zeros); those output columns are never stored.
+            x = load_rows(x_ptr, tok, live, k0, H, stride_xt, stride_xh, BLOCK_K, False)
+            wg = load_3d(w_src, e, n0, k0, 2 * I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
+            wu = load_3d(w_src, e, I + n0, k0, 2 * I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
+            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+        # A DIRECT block with a dropped id ran no K steps: it stores act(0) * 0 = 0, like a padding row.
+        y = _activation(acc_g, ACT) * acc_u
+        store_2d(y_dst, y.to(y_ptr.dtype.element_ty), pid_m * BLOCK_M, n0, num_rows, I, stride_ym, 1,
+                 BLOCK_M, BLOCK_N, Y_TMA)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -128,38 +146,40 @@ def _down_kernel(
     stride_ym, stride_we, stride_wh, stride_wi, stride_twt, stride_twk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     Y_TMA: tl.constexpr, W_TMA: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """GEMM2: z[r, n] = weight(slot(r)) * (y[r] . w2[e, n]), M = sorted rows, N = H, K = I. Grid
-    (max_blocks * cdiv(H, BLOCK_N),); one program = one row block x BLOCK_N output columns.
+    """GEMM2: z[r, n] = weight(slot(r)) * (y[r] . w2[e, n]), M = sorted rows, N = H, K = I. Persistent
+    grid (<= NUM_PROGRAMS,) as in :func:`_gate_up_kernel`; one tile = one row block x BLOCK_N output columns.
 
     The sorted rows are contiguous, so they load with 2-D TMA. ATOMIC: fp32 atomic adds into out[token]
     (the top-k reduction happens here; the order of the adds varies run to run). Otherwise each slot's row
     is stored once into out[slot] and :func:`_topk_sum_kernel` adds the k rows in a fixed order."""
-    pid_m, pid_n = _block_coords(max_blocks, tl.cdiv(H, BLOCK_N), GROUP_M)
-    skip, e, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, num_blocks_ptr, E, num_slots, top_k,
-                                            BLOCK_M, DIRECT)
-    if skip:
-        return
-    n0 = pid_n * BLOCK_N
     y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
     w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(I, BLOCK_K)):
-        k0 = kk * BLOCK_K
-        a = load_2d(y_src, pid_m * BLOCK_M, k0, num_rows, I, stride_ym, 1, BLOCK_M, BLOCK_K, Y_TMA)
-        b = load_3d(w_src, e, n0, k0, H, I, stride_we, stride_wh, stride_wi, BLOCK_N, BLOCK_K, W_TMA)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-    wt = tl.load(tw_ptr + tok.to(tl.int64) * stride_twt + (slot - tok * top_k) * stride_twk, mask=live, other=0.0)
-    acc = acc * wt.to(tl.float32)[:, None]
-    cols = n0 + tl.arange(0, BLOCK_N)
-    mask = live[:, None] & (cols[None, :] < H)
-    if ATOMIC:
-        ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    num_m = _row_blocks(num_blocks_ptr, max_blocks, DIRECT)
+    num_n = tl.cdiv(H, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        e, k_steps, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, E, num_slots, top_k, I,
+                                                   BLOCK_M, BLOCK_K, DIRECT)
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_steps):
+            k0 = kk * BLOCK_K
+            a = load_2d(y_src, pid_m * BLOCK_M, k0, num_rows, I, stride_ym, 1, BLOCK_M, BLOCK_K, Y_TMA)
+            b = load_3d(w_src, e, n0, k0, H, I, stride_we, stride_wh, stride_wi, BLOCK_N, BLOCK_K, W_TMA)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        wt = tl.load(tw_ptr + tok.to(tl.int64) * stride_twt + (slot - tok * top_k) * stride_twk, mask=live,
+                     other=0.0)
+        acc = acc * wt.to(tl.float32)[:, None]
+        cols = n0 + tl.arange(0, BLOCK_N)
+        mask = live[:, None] & (cols[None, :] < H)
+        if ATOMIC:
+            ptrs = out_ptr + tok[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+            tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        else:
+            ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -19,8 +19,9 @@ first: :func:`hopperkern.moe.fused_moe` does, unless ``check_ids=False``).
 :func:`direct_plan` is the no-launch alternative for tiny batches (see its docstring).
 
 Nothing here synchronises with the host: buffers have worst-case sizes computed from shapes only
-(``max_blocks = (T*k + min(E, T*k) * (block_m - 1)) // block_m``), and the GEMM programs past the real block
-count exit after reading ``num_blocks``. So the plan (and a decode-size fused_moe) can be captured in a CUDA graph.
+(``max_blocks = (T*k + min(E, T*k) * (block_m - 1)) // block_m``), and the persistent GEMMs read
+``num_blocks`` on the device to bound their tile loops. So the plan (and a decode-size fused_moe) can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations

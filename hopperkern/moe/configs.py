@@ -14,7 +14,8 @@ from ..tma import capability, interpreter_active
 from ..tuning import KernelConfig, MoeConfig, load_config, moe_key
 from .align import max_blocks_for
 
-__all__ = ["INTERPRETER_CONFIG", "heuristic_config", "moe_launch_config", "pick_block_m"]
+__all__ = ["INTERPRETER_CONFIG", "heuristic_config", "moe_launch_config", "num_programs", "pick_block_m",
+           "programs_per_sm"]
 
 INTERPRETER_CONFIG = MoeConfig(
     gemm1=KernelConfig(block_m=16, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1),
@@ -22,6 +23,12 @@ INTERPRETER_CONFIG = MoeConfig(
 )
 
 _WARNED_KEYS: set = set()
+
+_SMEM_PER_SM = 228 * 1024     # sm_90: 228 KiB per SM (227 KiB per block), 1 KiB of it reserved per resident block
+_REGS_PER_SM = 64 * 1024
+_THREADS_PER_SM = 2048
+_MAX_PROGRAMS_PER_SM = 4      # beyond 4 resident programs the gain in latency hiding is small
+_INTERPRETER_PROGRAMS = 2     # CPU tests: few programs, so each one loops over several tiles
 
 
 def pick_block_m(T: int, top_k: int, E: int) -> int:
@@ -46,6 +53,37 @@ def _narrow_n(N: int, blocks: int, sms: int, widest: int) -> int:
     return bn
 
 
+def programs_per_sm(config: KernelConfig, elem_size: int, b_operands: int) -> int:
+    """Programs of one persistent grouped GEMM that stay resident on an SM together, estimated on the high
+    side of shared memory and registers so the estimate errs low: a program that does not fit waits for a
+    whole resident program (all its tiles) to finish, which doubles the kernel, while one program too few
+    only loses some latency hiding.
+
+    Shared memory: num_stages buffers of the A tile and ``b_operands`` weight tiles (2 for gate/up) plus one
+    epilogue tile (the TMA store's staging). Registers: the fp32 accumulators and one K step of the operands
+    spread over the threads, plus 160 for addresses, the pipeline and the epilogue, capped at 255. Checked
+    against ptxas for every heuristic and tuner config by ``python -m benchmarks.compile_moe_sm90``."""
+    threads = 32 * config.num_warps
+    stage = (config.block_m + b_operands * config.block_n) * config.block_k * elem_size
+    smem = config.num_stages * stage + config.block_m * config.block_n * elem_size + 1024
+    acc_regs = b_operands * config.block_m * config.block_n // threads  # one accumulator per weight operand
+    operand_regs = stage // (4 * threads)  # one K step of the operands, as mma_v2 (block_m < 64) holds them
+    regs = -(-min(255, acc_regs + operand_regs + 160) // 8) * 8  # allocated 8 per thread at a time
+    fit = min(_SMEM_PER_SM // smem, _REGS_PER_SM // (regs * threads), _THREADS_PER_SM // threads)
+    return max(1, min(_MAX_PROGRAMS_PER_SM, fit))
+
+
+def num_programs(config: KernelConfig, elem_size: int, b_operands: int) -> int:
+    """NUM_PROGRAMS of a persistent grouped GEMM: SMs x resident programs per SM (2 under the interpreter).
+
+    Depends on the config and the device only, never on the token count, so one compiled variant serves every
+    batch size; the launch grid is ``min(tiles, NUM_PROGRAMS)``, and with fewer tiles than NUM_PROGRAMS each
+    program takes at most one tile."""
+    if interpreter_active():
+        return _INTERPRETER_PROGRAMS
+    return (capability().sm_count or 132) * programs_per_sm(config, elem_size, b_operands)
+
+
 def heuristic_config(E: int, H: int, I: int, T: int, top_k: int, sm_count: int | None = None) -> MoeConfig:  # noqa: E741
     """A reasonable untuned config for (E, H, I) at T tokens with top_k experts per token."""
     sms = sm_count or 132
@@ -58,12 +96,14 @@ def heuristic_config(E: int, H: int, I: int, T: int, top_k: int, sm_count: int |
         g2 = KernelConfig(block_m=bm, block_n=_narrow_n(H, blocks, sms, 64), block_k=128, group_m=1,
                           num_warps=4, num_stages=4)
     elif bm == 64:
-        g1 = KernelConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
-        g2 = KernelConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4)
+        # Prefill: flattened persistent tile loops hide each tile's pipeline refill and epilogue (short K).
+        g1 = KernelConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4, flatten=True)
+        g2 = KernelConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, flatten=True)
     else:
-        # Two [128, 128] fp32 accumulators (gate and up) in GEMM1: 8 warps; 3 stages of 48 KiB fit in smem.
-        g1 = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
-        g2 = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
+        # Two [128, 128] fp32 accumulators (gate and up) in GEMM1: 8 warps; 3 stages of 48 KiB fit in smem
+        # (176 KiB with the flattened loop's epilogue buffer).
+        g1 = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, flatten=True)
+        g2 = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, flatten=True)
     return MoeConfig(gemm1=g1, gemm2=g2)
 
 

@@ -20,6 +20,7 @@ from .. import tma as _tma
 from ..tuning import KernelConfig
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_kernel, _gate_up_kernel, _topk_sum_kernel
 from .align import AlignPlan
+from .configs import num_programs
 
 __all__ = ["ACTIVATIONS", "down", "gate_up", "topk_sum"]
 
@@ -75,14 +76,15 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     d = _tma.decide(tma, {"w13": (w13, (1, bn, bk)), "inter": (out, (bm, bn))}, op="moe.gemm1")
     if plan.max_blocks == 0 or I == 0:
         return out
-    grid = (plan.max_blocks * triton.cdiv(I, bn),)
+    progs = num_programs(config, hidden.element_size(), 2)
+    grid = (min(plan.max_blocks * triton.cdiv(I, bn), progs),)
     _gate_up_kernel[grid](
         hidden, w13, out, _slots(plan), plan.block_expert, plan.num_blocks,
         E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, ACT=ACTIVATIONS[activation],
         W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=_dot_precision(hidden.dtype), DIRECT=plan.direct,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
@@ -120,7 +122,8 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
     else:
         buf = torch.zeros((T, H), dtype=torch.float32, device=dev)
     if plan.max_blocks > 0 and H > 0:
-        grid = (plan.max_blocks * triton.cdiv(H, bn),)
+        progs = num_programs(config, inter.element_size(), 1)
+        grid = (min(plan.max_blocks * triton.cdiv(H, bn), progs),)
         _down_kernel[grid](
             inter, w2, buf, topk_weights, _slots(plan), plan.block_expert, plan.num_blocks,
             E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
@@ -128,7 +131,7 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
             topk_weights.stride(1), buf.stride(0), buf.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, Y_TMA=d["inter"], W_TMA=d["w2"],
             ATOMIC=not deterministic, DOT_PRECISION=_dot_precision(inter.dtype), DIRECT=plan.direct,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     if deterministic:
         return topk_sum(buf, topk_ids, E, out_dtype=out_dtype)

@@ -1,0 +1,174 @@
+"""Compile the grouped-GEMM kernels of fused_moe for sm_90 without a GPU (Triton front end + ptxas only) and
+print registers, spills, shared memory and the estimated resident programs per SM against the real ones.
+
+For every config of the heuristics and of the tuner's candidate list on the PERF.md shapes, both TMA flags,
+flatten on and off, sorted and direct plans. Catches what the interpreter cannot: lowering and pipeliner
+failures, shared memory over 227 KiB, register spills, and a programs-per-SM estimate above what fits.
+
+    env -u TRITON_INTERPRET python -m benchmarks.compile_moe_sm90 [--quick] [--jobs 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+SMEM_LIMIT = 227 * 1024
+_DIV16 = [["tt.divisibility", 16]]
+
+
+def _signature(fn, values: dict, constexprs: dict):
+    """(signature, constexprs, attrs) like the launcher's specialisation: pointers and ints that are multiples
+    of 16 get divisibility 16, ints equal to 1 become constexprs, do_not_specialize ints stay plain i32."""
+    sig, const, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        v = values[name]
+        if isinstance(v, str):  # pointer element type
+            sig[name] = f"*{v}"
+            attrs[(i,)] = _DIV16
+        elif name in fn.do_not_specialize or i in fn.do_not_specialize:
+            sig[name] = "i32"
+        elif v == 1:
+            sig[name] = "constexpr"
+            const[name] = 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = _DIV16
+    return sig, const, attrs
+
+
+def _ptxas_stats(ptx: str) -> tuple[int, int]:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        res = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr))
+    return regs, spills
+
+
+def compile_one(job):
+    """Compile one variant; returns a result row (dict)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from hopperkern.moe import _gemm_kernels as K
+    from hopperkern.moe.configs import programs_per_sm
+    from hopperkern.tuning import KernelConfig
+
+    gemm, E, H, I, cfg_d, w_tma, y_tma, flatten, direct = job  # noqa: E741
+    cfg = KernelConfig(**{**cfg_d, "flatten": flatten})
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  W_TMA=w_tma, Y_TMA=y_tma, DOT_PRECISION="tf32", DIRECT=direct, NUM_PROGRAMS=132,
+                  FLATTEN=flatten)
+    if gemm == 1:
+        fn = K._gate_up_kernel
+        vals = dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", slots_ptr="i32", block_expert_ptr="i32",
+                    num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096, top_k=8, max_blocks=64,
+                    stride_xt=H, stride_xh=1, stride_we=2 * I * H, stride_wn=H, stride_wh=1, stride_ym=I)
+        const = dict(common, ACT=K.ACT_SILU)
+    else:
+        fn = K._down_kernel
+        vals = dict(y_ptr="bf16", w_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", slots_ptr="i32",
+                    block_expert_ptr="i32", num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096,
+                    top_k=8, max_blocks=64, stride_ym=I, stride_we=H * I, stride_wh=I, stride_wi=1, stride_twt=8,
+                    stride_twk=1, stride_om=H, stride_on=1)
+        const = dict(common, ATOMIC=False)
+    sig, const, attrs = _signature(fn, vals, const)
+    row = dict(gemm=gemm, E=E, H=H, I=I, cfg=cfg, w_tma=w_tma, y_tma=y_tma, direct=direct)
+    try:
+        k = triton.compile(triton.compiler.ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        regs, spills = _ptxas_stats(k.asm["ptx"])
+        shared = k.metadata.shared
+        threads = 32 * cfg.num_warps
+        regs_alloc = -(-regs * 32 // 256) * 256 * cfg.num_warps  # registers are allocated per warp, 256 at a time
+        fits = min((228 * 1024) // (shared + 1024), 65536 // regs_alloc, 2048 // threads, 32)
+        row.update(ok=True, regs=regs, spills=spills, shared=shared, fits=fits,
+                   est=programs_per_sm(cfg, 2, 2 if gemm == 1 else 1))
+    except Exception as exc:  # noqa: BLE001 - report every failure, keep going
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    return row
+
+
+def jobs(quick: bool):
+    from benchmarks.bench_moe import SHAPES
+    from benchmarks.tune_moe import BUCKETS, block_m_choices, candidates
+    from hopperkern.moe.configs import heuristic_config
+
+    cfgs = {}  # (gemm, E, H, I) -> {config dict}
+    for E, k, H, I in SHAPES.values():  # noqa: E741
+        for T in BUCKETS:
+            h = heuristic_config(E, H, I, T, k)
+            for gemm, c in ((1, h.gemm1), (2, h.gemm2)):
+                cfgs.setdefault((gemm, E, H, I), {})[tuple(sorted(c.model_dump().items()))] = c
+            if quick:
+                continue
+            for bm in block_m_choices(T, k, E):
+                for gemm in (1, 2):
+                    for c in candidates(bm, gemm):
+                        cfgs.setdefault((gemm, E, H, I), {})[tuple(sorted(c.model_dump().items()))] = c
+    out = []
+    for (gemm, E, H, I), cs in cfgs.items():  # noqa: E741
+        for c in cs.values():
+            d = c.model_dump()
+            flats = (c.flatten,) if quick else (False, True)
+            for flatten in flats:
+                for tma in (False, True):
+                    direct = c.block_m == 16 and not flatten  # fused_moe uses direct plans for tiny batches
+                    out.append((gemm, E, H, I, d, tma, tma, flatten, False))
+                    if direct:
+                        out.append((gemm, E, H, I, d, tma, tma, flatten, True))
+    return out
+
+
+def main(argv=None) -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("compile_moe_sm90: unset TRITON_INTERPRET (env -u TRITON_INTERPRET ...)")
+        return 2
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="heuristic configs only, their own flatten flag")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    args = ap.parse_args(argv)
+    todo = jobs(args.quick)
+    bad = 0
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for r in pool.map(compile_one, todo):
+            c = r["cfg"]
+            what = (f"gemm{r['gemm']} E{r['E']} H{r['H']} I{r['I']} bm{c.block_m} bn{c.block_n} bk{c.block_k} "
+                    f"w{c.num_warps} s{c.num_stages} flat={int(c.flatten)} tma={int(r['w_tma'])} "
+                    f"direct={int(r['direct'])}")
+            if not r["ok"]:
+                bad += 1
+                print(f"FAIL {what}: {r['error']}")
+                continue
+            warn = []
+            if r["shared"] > SMEM_LIMIT:
+                warn.append("SMEM>227K")
+            if r["spills"]:
+                warn.append("SPILLS")
+            if r["est"] > r["fits"]:
+                warn.append("EST>FITS")
+            bad += bool(warn)
+            print(f"{'WARN' if warn else 'ok  '} {what}: regs {r['regs']} spills {r['spills']} smem "
+                  f"{r['shared'] / 1024:.0f}K programs/SM est {r['est']} fits {r['fits']} {' '.join(warn)}")
+    print(f"compile_moe_sm90: {len(todo)} variants, {bad} failed or warned")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
