@@ -29,8 +29,6 @@ _REGS_PER_SM = 64 * 1024
 _THREADS_PER_SM = 2048
 _MAX_PROGRAMS_PER_SM = 4      # beyond 4 resident programs the gain in latency hiding is small
 _INTERPRETER_PROGRAMS = 2     # CPU tests: few programs, so each one loops over several tiles
-_PERSISTENT_MIN_BLOCK_M = 64  # smaller row blocks (decode, memory bound): one program per tile
-_ONE_PROGRAM_PER_TILE = 1 << 30  # NUM_PROGRAMS that makes the grid one program per tile
 
 
 def pick_block_m(T: int, top_k: int, E: int) -> int:
@@ -76,19 +74,13 @@ def programs_per_sm(config: KernelConfig, elem_size: int, b_operands: int) -> in
 
 
 def num_programs(config: KernelConfig, elem_size: int, b_operands: int) -> int:
-    """NUM_PROGRAMS of a grouped GEMM: SMs x resident programs per SM (2 under the interpreter) for row blocks
-    of >= 64 rows; one program per tile for smaller row blocks.
+    """NUM_PROGRAMS of a persistent grouped GEMM: SMs x resident programs per SM (2 under the interpreter).
 
-    Measured on the H200 (benchmarks/NOTES.md): the persistent grid won at prefill (e.g. mixtral M=16384 20.8
-    -> 19.4 ms, deepseek-V3 M=4096 1.59 -> 1.31 ms) but lost at memory-bound sizes with 16-row blocks (e.g.
-    qwen3-235B M=256 0.75 -> 0.96 ms), where many small resident programs hide latency better than a few
-    looping ones. Depends on the config and the device only, never on the token count, so one compiled
-    variant serves every batch size; the launch grid is ``min(tiles, NUM_PROGRAMS)``, and with fewer tiles
-    than NUM_PROGRAMS each program takes at most one tile."""
+    Depends on the config and the device only, never on the token count, so one compiled variant serves every
+    batch size; the launch grid is ``min(tiles, NUM_PROGRAMS)``, and with fewer tiles than NUM_PROGRAMS each
+    program takes at most one tile."""
     if interpreter_active():
         return _INTERPRETER_PROGRAMS
-    if config.block_m < _PERSISTENT_MIN_BLOCK_M:
-        return _ONE_PROGRAM_PER_TILE
     return (capability().sm_count or 132) * programs_per_sm(config, elem_size, b_operands)
 
 
