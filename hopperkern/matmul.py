@@ -73,18 +73,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, tma: str = "auto", block_m: int 
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    d = _tma.decide(tma, {"a": (a, (block_m, block_k)), "b": (b, (block_k, block_n)),
-                          "c": (c, (block_m, block_n))}, op="matmul")
+    _tma.resolve_mode(tma)  # an unknown mode is an error even for empty inputs
     if M == 0 or N == 0:
         return c
     if K == 0:
         return c.zero_()
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    _matmul_kernel[grid](
-        a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        A_TMA=d["a"], B_TMA=d["b"], C_TMA=d["c"],
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    with _tma.launch_context(a, "matmul"):
+        d = _tma.decide(tma, {"a": (a, (block_m, block_k)), "b": (b, (block_k, block_n)),
+                              "c": (c, (block_m, block_n))}, op="matmul")
+        grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+        _matmul_kernel[grid](
+            a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+            A_TMA=d["a"], B_TMA=d["b"], C_TMA=d["c"],
+            DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
+        )
     return c

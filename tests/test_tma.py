@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import HAS_CUDA
+from conftest import DEVICE, HAS_CUDA
 
 from hopperkern import tma
 from hopperkern.tma.jit import load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
@@ -464,3 +464,34 @@ def test_static_assert_tma_box_too_narrow_3d(backend, device):
     with pytest.raises(triton.errors.TritonError) as info:
         _slab_copy_3d[(1,)](w, t, 2, 8, 8, 64, 8, 0, 0, 0, 8, 2, True)
     assert_static_assert(info, "TMA box inner extent must be at least 16 bytes")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where ops launch
+
+
+def test_cpu_tensors_without_interpreter_raise_unsupported(monkeypatch):
+    """CPU tensors with the interpreter off: UnsupportedError naming the device, before any launch."""
+    from hopperkern import lce
+    from hopperkern.matmul import matmul
+
+    monkeypatch.setattr(capmod, "interpreter_active", lambda: False)
+    with pytest.raises(tma.UnsupportedError, match=r"matmul cannot run on cpu tensors(.|\n)*TRITON_INTERPRET"):
+        matmul(torch.randn(8, 8), torch.randn(8, 8))
+    with pytest.raises(tma.UnsupportedError, match=r"hopperkern.lce cannot run on cpu tensors"):
+        lce.linear_cross_entropy(torch.randn(4, 16), torch.randn(32, 16), torch.randint(0, 32, (4,)))
+
+
+@pytest.mark.parametrize("shape", [(0, 32, 32), (16, 0, 32), (16, 32, 0)], ids=["M=0", "K=0", "N=0"])
+def test_zero_size_matmul_with_tma_always(shape):
+    """Empty problems return (zeros) before any TMA decision, so tma='always' does not raise on them."""
+    from hopperkern.matmul import matmul
+
+    M, K, N = shape
+    c = matmul(torch.randn(M, K, device=DEVICE), torch.randn(K, N, device=DEVICE), tma="always")
+    assert c.shape == (M, N) and (c == 0).all()
+
+
+def test_torch_mm_out_dtype_probe_is_a_bool():
+    """The out_dtype probe (fp32 d_hidden accumulation in the LCE backward) answers without raising."""
+    assert tma.torch_mm_out_dtype() in (True, False)

@@ -217,10 +217,12 @@ def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b with fp32 accumulation and no low-precision partial sum."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
+    elif acc.is_cuda and _tma.torch_mm_out_dtype():
         # cuBLAS: bf16/fp16 inputs, fp32 accumulate and fp32 C, beta = 1.
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:  # CPU (tests): same arithmetic through fp32 copies of the slice
+    else:
+        # CPU (tests), or a torch without out_dtype: the same arithmetic through fp32 copies of this slice
+        # (bounded by DLOGITS_BUDGET for ``a``; ``b`` is the slice's [Vs, H] weight rows).
         acc.addmm_(a.float(), b.float())
 
 

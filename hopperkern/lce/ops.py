@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..tma import launch_context
 from .launch import LceOptions, check_labels, lce_backward, lce_forward
 
 
@@ -24,10 +25,11 @@ def lce_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optiona
                    label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
                    need_entropy: bool, check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token (loss, logprob, entropy, lse) of 2-D ``hidden`` [N, H]; see :func:`launch.lce_forward`."""
-    if check:
-        check_labels(labels, weight.shape[0], ignore_index)
-    opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
-    return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy)
+    with launch_context(hidden, "hopperkern.lce"):
+        if check:
+            check_labels(labels, weight.shape[0], ignore_index)
+        opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
+        return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy)
 
 
 @lce_forward_op.register_fake
@@ -46,8 +48,9 @@ def lce_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Option
     """(d_hidden, d_weight, d_bias); a gradient that is not needed comes back as an empty tensor."""
     opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
     g = [x.float().contiguous() if x is not None else None for x in (g_loss, g_logprob, g_entropy, g_lse)]
-    dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, zlab=zlab,
-                              need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
+    with launch_context(hidden, "hopperkern.lce backward"):
+        dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, zlab=zlab,
+                                  need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
     # Custom-op outputs must not alias each other: one fresh empty tensor per missing gradient.
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dh, dw, db))
 

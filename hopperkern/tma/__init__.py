@@ -6,7 +6,15 @@ allocator for device-side descriptors. Device side (``hopperkern.tma.jit``): loa
 pointer or a descriptor and switch on a constexpr, so every kernel keeps one body for both memory paths.
 """
 
-from .capability import Capability, UnsupportedError, capability, interpreter_active, normalize_device_name
+from .capability import (
+    Capability,
+    UnsupportedError,
+    capability,
+    interpreter_active,
+    launch_context,
+    normalize_device_name,
+    torch_mm_out_dtype,
+)
 from .descriptors import (
     TMA_MODES,
     TmaDecision,
@@ -28,8 +36,10 @@ __all__ = [
     "ensure_allocator",
     "interpreter_active",
     "last_decision",
+    "launch_context",
     "make_descriptor",
     "normalize_device_name",
     "resolve_mode",
     "tma_not_supported_reasons",
+    "torch_mm_out_dtype",
 ]

@@ -10,7 +10,15 @@ import functools
 import os
 from dataclasses import dataclass
 
-__all__ = ["Capability", "UnsupportedError", "capability", "interpreter_active", "device_key"]
+__all__ = [
+    "Capability",
+    "UnsupportedError",
+    "capability",
+    "device_key",
+    "interpreter_active",
+    "launch_context",
+    "torch_mm_out_dtype",
+]
 
 
 class UnsupportedError(NotImplementedError):
@@ -141,6 +149,8 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
         except Exception as exc:
             reasons.append(f"could not read the properties of cuda:{index}: {exc}")
 
+    if cuda and index is None:
+        reasons.append("the device is not a CUDA device")
     if interpreter:
         # The interpreter runs both memory paths on the CPU, so CI can test the TMA path.
         name = name if name else None
@@ -164,3 +174,36 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
         tma=tma,
         reasons=tuple(reasons),
     )
+
+
+def launch_context(t, op: str):
+    """Where ``op`` launches for tensor ``t``: a ``torch.cuda.device`` guard for ``t``'s GPU (Triton launches
+    on the current device and stream), a no-op context under the interpreter, and :class:`UnsupportedError`
+    when ``t`` is on a device hopperkern cannot run on (e.g. CPU tensors with the interpreter off)."""
+    import contextlib
+
+    if getattr(t, "is_cuda", False):
+        import torch
+
+        return torch.cuda.device(t.device)
+    if interpreter_active():
+        return contextlib.nullcontext()
+    raise UnsupportedError(f"{op} cannot run on {t.device} tensors", [
+        f"the inputs are on {t.device}: hopperkern's kernels need a CUDA GPU, or Triton's CPU interpreter "
+        "(TRITON_INTERPRET=1 set before triton is imported)",
+        "the plain-PyTorch references in hopperkern.lce.reference / hopperkern.moe.reference run anywhere",
+    ])
+
+
+@functools.lru_cache(maxsize=None)
+def torch_mm_out_dtype() -> bool:
+    """Whether this torch has ``torch.addmm(..., out_dtype=torch.float32)`` for bf16/fp16 inputs (fp32
+    accumulation written to an fp32 C); probed once on meta tensors, never raises."""
+    try:
+        import torch
+
+        c = torch.empty(2, 2, device="meta")
+        a = torch.empty(2, 2, device="meta", dtype=torch.bfloat16)
+        return torch.addmm(c, a, a, out_dtype=torch.float32).dtype == torch.float32
+    except Exception:
+        return False
