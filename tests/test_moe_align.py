@@ -103,6 +103,17 @@ def test_out_of_range_ids_are_dropped(device):
     assert int(plan.expert_counts.sum()) == 3
 
 
+@pytest.mark.parametrize("T, k", [(3, 2), (400, 4)], ids=["one-launch", "multi-chunk"])
+def test_int64_ids_beyond_int32_are_dropped(T, k, device):
+    """int64 ids are range-checked before the kernels narrow them to int32: 2**32 + 1 is dropped, not expert 1
+    (and -2**32 + 2 not expert 2); both the one-launch and the multi-chunk kernels."""
+    gen = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, 4, (T, k), generator=gen, dtype=torch.int64)
+    ids[0, 0], ids[1, 1], ids[-1, 0] = 2**32 + 1, -2**32 + 2, 2**33
+    plan = check_plan(ids.to(device), 4, 16)
+    assert int(plan.expert_counts.sum()) == T * k - 3
+
+
 def test_all_slots_dropped(device):
     ids = torch.full((6, 2), -1, dtype=torch.int32, device=device)
     plan = check_plan(ids, 4, 16)

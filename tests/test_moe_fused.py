@@ -207,6 +207,10 @@ def _err_args(device):
     (lambda a: a.update(hidden=a["hidden"][None]), ValueError, "hidden must be 2-D"),
     (lambda a: a.update(activation="relu"), ValueError, r"activation must be one of \('silu', 'gelu_tanh'\), got 'relu'"),
     (lambda a: a.update(tma="sometimes"), ValueError, r"tma must be one of \('auto', 'always', 'never'\)"),
+    (lambda a: a.update(w13=a["w13"][:0], w2=a["w2"][:0]), ValueError,
+     r"w2 must have at least 1 expert \(E >= 1\), got shape \(0, 64, 32\)"),
+    (lambda a: a.update(w13=a["w13"][:0], w2=a["w2"][:0], hidden=a["hidden"][:1], topk_weights=a["topk_weights"][:1],
+                        topk_ids=a["topk_ids"][:1]), ValueError, r"w2 must have at least 1 expert \(E >= 1\)"),
 ])
 def test_fused_moe_errors(change, exc, match, device):
     a = _err_args(device)
@@ -259,3 +263,107 @@ def test_launcher_shape_checks(device):
         moe.down(inter[:-16], w2, weights, ids, plan, config=cfg.gemm2)
     with pytest.raises(ValueError, match="down: w2 must have 4 experts"):
         moe.down(inter, w2[:3], weights, ids, plan, config=cfg.gemm2)
+
+
+@pytest.mark.parametrize("name", ["hidden", "w13", "w2", "topk_weights"])
+def test_backward_is_refused_not_silently_cut(name, device):
+    """fused_moe is forward only: an input that requires grad while autograd records raises before any
+    launch instead of returning a result without grad_fn; under no_grad the same call runs."""
+    a = _err_args(device)
+    a[name] = a[name].float().requires_grad_() if name == "topk_weights" else a[name].requires_grad_()
+    with pytest.raises(UnsupportedError, match=r"fused_moe:\n  - backward is not implemented yet: fused_moe is "
+                                               r"forward-only \(inference\); call it under torch.no_grad\(\)"):
+        moe.fused_moe(**a)
+    with pytest.raises(UnsupportedError, match="backward is not implemented yet"):
+        moe.fused_moe(**(a | dict(hidden=a["hidden"][:0], topk_weights=a["topk_weights"][:0],
+                                  topk_ids=a["topk_ids"][:0])))  # even when nothing would launch
+    with torch.no_grad():
+        out = moe.fused_moe(**a, tma="never")
+    detached = [a[n].detach() for n in ("hidden", "w13", "w2", "topk_weights", "topk_ids")]
+    check_against_reference(out, detached)
+    assert out.grad_fn is None
+
+
+@pytest.mark.parametrize("via_env", [False, True], ids=["arg", "HOPPERKERN_TMA"])
+def test_zero_size_problems_with_tma_always(via_env, device, monkeypatch):
+    """Empty problems return before the TMA decision: tma="always" (or HOPPERKERN_TMA=always) must not refuse
+    an operand for being zero-sized when nothing launches."""
+    if via_env:
+        monkeypatch.setenv("HOPPERKERN_TMA", "always")
+    mode = "auto" if via_env else "always"
+    x, w13, w2, weights, ids = make_inputs(5, 4, 64, 32, 2, torch.float16, device, drop=0.0)
+    w13_0, w2_0 = w13[:, :0].contiguous(), w2[:, :, :0].contiguous()  # I == 0
+    for det in (True, False):
+        out = moe.fused_moe(x, w13_0, w2_0, weights, ids, tma=mode, deterministic=det)
+        assert out.shape == (5, 64) and out.dtype == torch.float16 and torch.count_nonzero(out) == 0
+    cfg = moe_configs.INTERPRETER_CONFIG
+    for plan in (moe.moe_align(ids, 4, 16), moe.direct_plan(ids, 4, 16)):
+        inter = moe.gate_up(x, w13_0, plan, config=cfg.gemm1, tma=mode)
+        assert inter.shape == (plan.max_rows, 0)
+        for det in (True, False):
+            out = moe.down(inter, w2_0, weights, ids, plan, config=cfg.gemm2, tma=mode, deterministic=det)
+            assert out.shape == (5, 64) and torch.count_nonzero(out) == 0
+    empty = moe.moe_align(ids[:0], 4, 16)  # T == 0: no row blocks
+    inter = moe.gate_up(x[:0], w13, empty, config=cfg.gemm1, tma=mode)
+    out = moe.down(inter, w2, weights[:0], ids[:0], empty, config=cfg.gemm2, tma=mode)
+    assert inter.shape == (0, 32) and out.shape == (0, 64)
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("T", [6, 1], ids=["sorted-plan", "direct-plan"])
+def test_unchecked_int64_ids_beyond_int32_are_dropped(T, deterministic, mode, device):
+    """check_ids=False with int64 ids: 2**32 + 1 must be dropped like any out-of-range id, not narrowed to
+    expert 1 first (sorted plan: alignment kernels; direct plan: the GEMMs read the ids themselves)."""
+    x, w13, w2, weights, ids = make_inputs(T, 4, 64, 32, 2, torch.float32, device, seed=13, drop=0.0)
+    ids = ids.long()
+    ids[0, 0] = 1 if ids[0, 1] != 1 else 2  # the narrowed id would name a real expert of this token
+    bad, dropped = ids.clone(), ids.clone()
+    bad[0, 0] = 2**32 + 1 if ids[0, 0] == 1 else 2**32 + 2
+    dropped[0, 0] = -1
+    out = moe.fused_moe(x, w13, w2, weights, bad, tma=mode, check_ids=False, deterministic=deterministic)
+    check_against_reference(out, (x, w13, w2, weights, dropped))
+    with pytest.raises(ValueError, match=r"got expert ids 429496729[78]"):
+        moe.fused_moe(x, w13, w2, weights, bad, tma=mode)
+
+
+def test_launch_configs_use_the_inputs_device(device, monkeypatch):
+    """SM counts come from the tensors' device, not the current one: num_programs / moe_launch_config take a
+    device, and fused_moe, gate_up and down pass their inputs' device."""
+    seen = []
+
+    class FakeCap:
+        def __init__(self, dev):
+            self.sm_count = 100 if str(dev) == "cuda:1" else 7
+            self.device_name = None
+
+    def fake_capability(dev=None):
+        seen.append(dev)
+        return FakeCap(dev)
+
+    monkeypatch.setattr(moe_configs, "capability", fake_capability)
+    monkeypatch.setattr(moe_configs, "interpreter_active", lambda: False)
+    g = moe_configs.INTERPRETER_CONFIG.gemm1
+    per_sm = moe_configs.programs_per_sm(g, 2, 1)
+    assert moe_configs.num_programs(g, 2, 1, "cuda:1") == 100 * per_sm
+    assert moe_configs.num_programs(g, 2, 1) == 7 * per_sm and seen[-1] is None
+    monkeypatch.setenv("HOPPERKERN_CONFIG", "")
+    cfg, origin = moe.moe_launch_config(128, 2048, 768, torch.float16, 1, 8, device="cuda:1")
+    assert origin == "heuristics" and seen[-1] == "cuda:1"
+    assert cfg == moe.heuristic_config(128, 2048, 768, 1, 8, sm_count=100)
+    monkeypatch.undo()
+
+    import hopperkern.moe.fused as fused_mod
+    import hopperkern.moe.gemm as gemm_mod
+
+    devices = []
+    real_launch, real_programs = fused_mod.moe_launch_config, gemm_mod.num_programs
+    monkeypatch.setattr(fused_mod, "moe_launch_config",
+                        lambda *a, **kw: devices.append(("config", a[6] if len(a) > 6 else kw["device"]))
+                        or real_launch(*a[:6]))
+    monkeypatch.setattr(gemm_mod, "num_programs",
+                        lambda cfg, es, b, dev=None: devices.append(("programs", dev)) or real_programs(cfg, es, b))
+    args = make_inputs(6, 4, 64, 32, 2, torch.float16, device, seed=14)
+    check_against_reference(moe.fused_moe(*args), args)
+    dev = args[0].device
+    assert devices == [("config", dev), ("programs", dev), ("programs", dev)]

@@ -10,6 +10,9 @@ Pipeline (each piece public, documented in its module):
 - :func:`gate_up` / :func:`down` / :func:`topk_sum` (``gemm``): the grouped GEMMs (3-D TMA weights, gathered
   token rows, fused act(gate) * up, routed-weight multiply and top-k reduction).
 - :func:`fused_moe` (``fused``): all of the above with validation and launch configs (``configs``).
+
+Everything here is forward only (inference): there is no backward yet, and :func:`fused_moe` raises
+:class:`hopperkern.tma.UnsupportedError` when autograd is recording and an input requires grad.
 - :mod:`hopperkern.moe.reference`: plain-PyTorch reference with the same signature.
 """
 

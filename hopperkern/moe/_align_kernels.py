@@ -22,8 +22,9 @@ import triton.language as tl
 def _slot_bins(ids_ptr, chunk, num_slots, E, CHUNK: tl.constexpr):
     """Bin of each slot of ``chunk``: its expert, or E for a dropped / out-of-range id or the chunk tail."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
-    return tl.where((e >= 0) & (e < E), e, E)
+    e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    # Range check in the loaded dtype, then narrow: an int64 id of 2**32 + 1 must not become expert 1.
+    return tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
 
 
 @triton.jit
@@ -61,8 +62,8 @@ def _scatter_chunk(ids_ptr, chunk, num_slots, base, sorted_ptr, E, CHUNK: tl.con
     n_here = tl.minimum(num_slots - chunk * CHUNK, CHUNK)
     for sub in range(0, tl.cdiv(n_here, SUB)):
         offs = chunk * CHUNK + sub * SUB + i
-        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1).to(tl.int32)
-        e = tl.where((e >= 0) & (e < E), e, E)
+        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)  # check before narrowing int64 ids
         hot = (e[:, None] == ex[None, :]).to(tl.int32)
         rank = tl.sum(((e[None, :] == e[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
         dest = tl.sum(hot * nxt[None, :], axis=1) + rank

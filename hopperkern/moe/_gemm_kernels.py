@@ -76,8 +76,9 @@ def _block_slots(pid_m, slots_ptr, block_expert_ptr, E, num_slots, top_k, K, BLO
     tile keeps the tile loop a plain loop nest, which FLATTEN needs; no weight of the bad id is ever read."""
     k_steps = tl.cdiv(K, BLOCK_K)
     if DIRECT:
-        e = tl.load(slots_ptr + pid_m).to(tl.int32)
-        ok = (e >= 0) & (e < E)
+        e = tl.load(slots_ptr + pid_m)
+        ok = (e >= 0) & (e < E)  # in the ids' dtype: narrowing an int64 id first could make it look valid
+        e = tl.where(ok, e, 0).to(tl.int32)  # a bad id's block runs no K steps; 0 keeps e in range anyway
         slot = tl.where((tl.arange(0, BLOCK_M) == 0) & ok, pid_m, num_slots)
         k_steps = tl.where(ok, k_steps, 0)
     else:

@@ -32,6 +32,7 @@ import torch
 import triton
 
 from ..tma import interpreter_active
+from ._device import on_device
 from ._align_kernels import (
     _align_blocks_kernel,
     _align_count_kernel,
@@ -148,7 +149,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
         plan.expert_counts.zero_()
         plan.num_blocks.zero_()
         return plan
-    ids = topk_ids.reshape(-1)  # a copy only for non-contiguous ids: T*k integers, never large
+    with on_device(topk_ids):
+        _launch(topk_ids.reshape(-1), plan, num_slots, E, block_m, max_blocks)  # reshape copies only strided ids
+    return plan
+
+
+def _launch(ids: torch.Tensor, plan: AlignPlan, num_slots: int, E: int, block_m: int, max_blocks: int) -> None:
+    """The alignment launches of :func:`moe_align` (one when the slots fit one chunk, four otherwise)."""
+    i32 = dict(dtype=torch.int32, device=ids.device)
     e_p = _pow2_at_least(E + 1, 32)  # histogram bins: one per expert plus the "dropped" bin E; >= warp size
     sub = _scatter_step(e_p)
     if num_slots <= _SMALL_MAX_SLOTS:
@@ -159,7 +167,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
             num_slots, E, max_blocks,
             BLOCK_M=block_m, CHUNK=chunk, SUB=min(sub, chunk), E_P=e_p, BLOCK_B=_BLOCK_B, num_warps=4,
         )
-        return plan
+        return
     num_chunks = triton.cdiv(num_slots, _CHUNK)
     chunk_counts = torch.empty((num_chunks, e_p), **i32)
     base = torch.empty((num_chunks, e_p), **i32)
@@ -173,4 +181,3 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
         plan.expert_offsets, plan.expert_counts, plan.block_expert, plan.sorted_slots, max_blocks, num_slots, E,
         BLOCK_M=block_m, BLOCK_B=_BLOCK_B, E_P=e_p, num_warps=4,
     )
-    return plan

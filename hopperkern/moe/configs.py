@@ -1,9 +1,10 @@
 """Launch configs of fused_moe: the tuning file when it has this shape, else heuristics.
 
 Lookup (:func:`moe_launch_config`): under Triton's interpreter a small fixed config (CPU CI pays per tile);
-otherwise ``hopperkern.tuning.load_config().moe_config(E, H, I, dtype, T)`` (nearest token bucket), and when
-that is None, :func:`heuristic_config`. A tuning file that exists but lacks the shape warns once per shape key
-(the loader itself warns once when no file exists). Tune with ``python -m benchmarks.tune_moe``.
+otherwise ``hopperkern.tuning.load_config(<the inputs' GPU>).moe_config(E, H, I, dtype, T)`` (nearest token
+bucket), and when that is None, :func:`heuristic_config` with that GPU's SM count. A tuning file that exists
+but lacks the shape warns once per shape key (the loader itself warns once when no file exists). Tune with
+``python -m benchmarks.tune_moe``.
 """
 
 from __future__ import annotations
@@ -73,15 +74,16 @@ def programs_per_sm(config: KernelConfig, elem_size: int, b_operands: int) -> in
     return max(1, min(_MAX_PROGRAMS_PER_SM, fit))
 
 
-def num_programs(config: KernelConfig, elem_size: int, b_operands: int) -> int:
-    """NUM_PROGRAMS of a persistent grouped GEMM: SMs x resident programs per SM (2 under the interpreter).
+def num_programs(config: KernelConfig, elem_size: int, b_operands: int, device=None) -> int:
+    """NUM_PROGRAMS of a persistent grouped GEMM: SMs of ``device`` (the operands' device; None = the current
+    one) x resident programs per SM (2 under the interpreter).
 
     Depends on the config and the device only, never on the token count, so one compiled variant serves every
     batch size; the launch grid is ``min(tiles, NUM_PROGRAMS)``, and with fewer tiles than NUM_PROGRAMS each
     program takes at most one tile."""
     if interpreter_active():
         return _INTERPRETER_PROGRAMS
-    return (capability().sm_count or 132) * programs_per_sm(config, elem_size, b_operands)
+    return (capability(device).sm_count or 132) * programs_per_sm(config, elem_size, b_operands)
 
 
 def heuristic_config(E: int, H: int, I: int, T: int, top_k: int, sm_count: int | None = None) -> MoeConfig:  # noqa: E741
@@ -107,11 +109,14 @@ def heuristic_config(E: int, H: int, I: int, T: int, top_k: int, sm_count: int |
     return MoeConfig(gemm1=g1, gemm2=g2)
 
 
-def moe_launch_config(E: int, H: int, I: int, dtype, T: int, top_k: int) -> tuple[MoeConfig, str]:  # noqa: E741
-    """(config, where it came from) for fused_moe on (E, H, I, dtype) with T tokens."""
+def moe_launch_config(E: int, H: int, I: int, dtype, T: int, top_k: int,  # noqa: E741
+                      device=None) -> tuple[MoeConfig, str]:
+    """(config, where it came from) for fused_moe on (E, H, I, dtype) with T tokens on ``device`` (the
+    inputs' device, whose SM count the heuristics use; None = the current device)."""
     if interpreter_active():
         return INTERPRETER_CONFIG, "interpreter"
-    tuning = load_config()
+    # The tuning file of the inputs' GPU, not of the current one (they differ on a multi-GPU host).
+    tuning = load_config(capability(device).device_name if device is not None else None)
     cfg = tuning.moe_config(E, H, I, dtype, T)
     if cfg is not None:
         return cfg, tuning.origin
@@ -124,4 +129,4 @@ def moe_launch_config(E: int, H: int, I: int, dtype, T: int, top_k: int) -> tupl
                 f"Tune it with: python -m benchmarks.tune_moe",
                 stacklevel=3,
             )
-    return heuristic_config(E, H, I, T, top_k, capability().sm_count), "heuristics"
+    return heuristic_config(E, H, I, T, top_k, capability(device).sm_count), "heuristics"

@@ -1,4 +1,7 @@
-"""``fused_moe``: the MoE MLP of routed tokens, built from align -> gate/up GEMM -> down GEMM + top-k reduce."""
+"""``fused_moe``: the MoE MLP of routed tokens, built from align -> gate/up GEMM -> down GEMM + top-k reduce.
+
+Forward only (inference): there is no backward yet, so inputs that require grad are refused while autograd is
+recording (:class:`hopperkern.tma.UnsupportedError`) rather than returning a result cut off from the graph."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from .. import tma as _tma
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
 from .._validate import check_same_dtype
 from ..tuning import MoeConfig
+from ._device import on_device
 from .align import direct_plan, moe_align, prefer_direct
 from .configs import moe_launch_config
 from .gemm import ACTIVATIONS, down, gate_up
@@ -45,6 +49,8 @@ def _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma):
     _tma.resolve_mode(tma)  # unknown tma mode -> ValueError before any launch
     T, H = hidden.shape
     E, H2, I = w2.shape  # noqa: E741
+    if E < 1:
+        raise ValueError(f"w2 must have at least 1 expert (E >= 1), got shape {tuple(w2.shape)}")
     if H2 != H:
         raise ValueError(f"w2 must be [E, H, I] with H = {H} (hidden.shape[1]), got shape {tuple(w2.shape)}")
     if tuple(w13.shape) != (E, 2 * I, H):
@@ -59,10 +65,18 @@ def _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma):
     return T, H, E, I
 
 
+def _check_no_grad(hidden, w13, w2, topk_weights) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, w13, w2, topk_weights)):
+        raise _tma.UnsupportedError("fused_moe", [
+            "backward is not implemented yet: fused_moe is forward-only (inference); call it under "
+            "torch.no_grad() or detach its inputs"])
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu", tma: str = "auto", check_ids: bool = True,
               deterministic: bool = True, config: MoeConfig | None = None) -> torch.Tensor:
-    """Mixture-of-Experts MLP of routed tokens. Equivalent plain PyTorch (see :mod:`hopperkern.moe.reference`)::
+    """Mixture-of-Experts MLP of routed tokens, forward only. Equivalent plain PyTorch (see
+    :mod:`hopperkern.moe.reference`)::
 
         out = zeros(T, H)
         for t, j:  e = topk_ids[t, j]; skip if e == -1
@@ -87,17 +101,23 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte
     aligned strides, so ``tma="auto"`` falls back to pointer loads for weights that are not.
+
+    Forward only (inference): no backward is implemented yet, so when autograd is recording and any of hidden,
+    w13, w2, topk_weights requires grad this raises :class:`hopperkern.tma.UnsupportedError` before any launch
+    (call it under ``torch.no_grad()`` / ``torch.inference_mode()`` or pass detached tensors).
     """
     T, H, E, I = _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma)
-    if T == 0 or topk_ids.shape[1] == 0 or H == 0:
+    _check_no_grad(hidden, w13, w2, topk_weights)
+    k = topk_ids.shape[1]
+    if T == 0 or k == 0 or H == 0 or I == 0:
         return torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
     if check_ids:
         check_expert_ids(topk_ids, E)
     if config is None:
-        config, _ = moe_launch_config(E, H, I, hidden.dtype, T, topk_ids.shape[1])
-    k = topk_ids.shape[1]
+        config, _ = moe_launch_config(E, H, I, hidden.dtype, T, k, hidden.device)
     make_plan = direct_plan if prefer_direct(T, k, E) else moe_align
-    plan = make_plan(topk_ids, E, config.gemm1.block_m)
-    inter = gate_up(hidden, w13, plan, config=config.gemm1, activation=activation, tma=tma)
-    return down(inter, w2, topk_weights, topk_ids, plan, config=config.gemm2, tma=tma,
-                deterministic=deterministic, out_dtype=hidden.dtype)
+    with on_device(hidden):
+        plan = make_plan(topk_ids, E, config.gemm1.block_m)
+        inter = gate_up(hidden, w13, plan, config=config.gemm1, activation=activation, tma=tma)
+        return down(inter, w2, topk_weights, topk_ids, plan, config=config.gemm2, tma=tma,
+                    deterministic=deterministic, out_dtype=hidden.dtype)
