@@ -18,6 +18,7 @@ import triton
 
 from .. import tma as _tma
 from ..tuning import KernelConfig
+from ._device import on_device
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_kernel, _gate_up_kernel, _topk_sum_kernel
 from .align import AlignPlan
 from .configs import num_programs
@@ -58,6 +59,8 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     sorted row r holding slot s = t*k + j of expert e: ``y[r] = act(hidden[t] @ w13[e, :I].T) *
     (hidden[t] @ w13[e, I:].T)`` (fp32 accumulation, one rounding at the store); padding rows hold 0, rows past
     the live blocks are not written. ``out`` (optional) is a preallocated ``y`` with unit inner stride.
+    An empty problem (no row blocks, or I == 0) returns ``out`` before the TMA decision, so ``tma="always"``
+    does not refuse it.
     """
     _check_plan(plan, config, "gate_up")
     if activation not in ACTIVATIONS:
@@ -73,19 +76,20 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     _check_shape("gate_up", "out", out, (plan.max_rows, I))
     if out.stride(-1) != 1:
         raise ValueError(f"gate_up: out must have unit inner stride, got strides {tuple(out.stride())}")
-    d = _tma.decide(tma, {"w13": (w13, (1, bn, bk)), "inter": (out, (bm, bn))}, op="moe.gemm1")
     if plan.max_blocks == 0 or I == 0:
-        return out
-    progs = num_programs(config, hidden.element_size(), 2)
+        return out  # nothing to launch; before decide(): "always" would refuse the zero-size operands
+    d = _tma.decide(tma, {"w13": (w13, (1, bn, bk)), "inter": (out, (bm, bn))}, op="moe.gemm1")
+    progs = num_programs(config, hidden.element_size(), 2, hidden.device)
     grid = (min(plan.max_blocks * triton.cdiv(I, bn), progs),)
-    _gate_up_kernel[grid](
-        hidden, w13, out, _slots(plan), plan.block_expert, plan.num_blocks,
-        E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, ACT=ACTIVATIONS[activation],
-        W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=_dot_precision(hidden.dtype), DIRECT=plan.direct,
-        NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    with on_device(hidden):
+        _gate_up_kernel[grid](
+            hidden, w13, out, _slots(plan), plan.block_expert, plan.num_blocks,
+            E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
+            hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, ACT=ACTIVATIONS[activation],
+            W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=_dot_precision(hidden.dtype), DIRECT=plan.direct,
+            NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     return out
 
 
@@ -102,6 +106,9 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
     fp32); the add order varies, so bits can differ run to run. ``deterministic=True``: each slot's weighted
     row is stored once ([T*k, H] in out_dtype, rounded once) and :func:`topk_sum` adds them in order j = 0..k-1;
     bitwise reproducible, costs a write and a read of T*k*H elements.
+
+    An empty problem (no row blocks, H == 0 or I == 0) returns zeros before the TMA decision, so
+    ``tma="always"`` does not refuse it.
     """
     _check_plan(plan, config, "down")
     if inter.stride(-1) != 1:
@@ -115,15 +122,18 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
         raise ValueError(f"down: w2 must have {plan.num_experts} experts (the plan's), got {E}")
     out_dtype = inter.dtype if out_dtype is None else out_dtype
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    d = _tma.decide(tma, {"inter": (inter, (bm, bk)), "w2": (w2, (1, bn, bk))}, op="moe.gemm2")
     dev = inter.device
+    if plan.max_blocks == 0 or H == 0 or I == 0:
+        # Every output is an empty sum; before decide(): "always" would refuse the zero-size operands.
+        return torch.zeros((T, H), dtype=out_dtype, device=dev)
+    d = _tma.decide(tma, {"inter": (inter, (bm, bk)), "w2": (w2, (1, bn, bk))}, op="moe.gemm2")
     if deterministic:
         buf = torch.empty((T * k, H), dtype=out_dtype, device=dev)
     else:
         buf = torch.zeros((T, H), dtype=torch.float32, device=dev)
-    if plan.max_blocks > 0 and H > 0:
-        progs = num_programs(config, inter.element_size(), 1)
-        grid = (min(plan.max_blocks * triton.cdiv(H, bn), progs),)
+    progs = num_programs(config, inter.element_size(), 1, dev)
+    grid = (min(plan.max_blocks * triton.cdiv(H, bn), progs),)
+    with on_device(inter):
         _down_kernel[grid](
             inter, w2, buf, topk_weights, _slots(plan), plan.block_expert, plan.num_blocks,
             E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
@@ -153,8 +163,9 @@ def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
     if T == 0 or H == 0:
         return out
     bh = min(block_h, triton.next_power_of_2(H))
-    _topk_sum_kernel[(T, triton.cdiv(H, bh))](
-        slot_rows, topk_ids.reshape(-1), out, num_experts, H, slot_rows.stride(0), out.stride(0), out.stride(1),
-        TOP_K=k, BLOCK_H=bh, num_warps=4,
-    )
+    with on_device(slot_rows):
+        _topk_sum_kernel[(T, triton.cdiv(H, bh))](
+            slot_rows, topk_ids.reshape(-1), out, num_experts, H, slot_rows.stride(0), out.stride(0),
+            out.stride(1), TOP_K=k, BLOCK_H=bh, num_warps=4,
+        )
     return out
