@@ -367,3 +367,17 @@ def test_launch_configs_use_the_inputs_device(device, monkeypatch):
     check_against_reference(moe.fused_moe(*args), args)
     dev = args[0].device
     assert devices == [("config", dev), ("programs", dev), ("programs", dev)]
+
+
+def test_cpu_tensors_without_interpreter_raise_unsupported(monkeypatch):
+    """fused_moe on CPU tensors with the interpreter off: UnsupportedError naming the device, not a Triton error."""
+    import importlib
+
+    from hopperkern import moe, tma
+
+    capmod = importlib.import_module("hopperkern.tma.capability")  # the module, not the re-exported function
+    monkeypatch.setattr(capmod, "interpreter_active", lambda: False)
+    x, w13, w2 = torch.randn(3, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    with torch.no_grad(), pytest.raises(tma.UnsupportedError, match="moe.fused_moe cannot run on cpu tensors"):
+        moe.fused_moe(x, w13, w2, torch.rand(3, 2), ids)

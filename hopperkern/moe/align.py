@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..tma import interpreter_active
-from ._device import on_device
+from ..tma import interpreter_active, launch_context
 from ._align_kernels import (
     _align_blocks_kernel,
     _align_count_kernel,
@@ -149,7 +148,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
         plan.expert_counts.zero_()
         plan.num_blocks.zero_()
         return plan
-    with on_device(topk_ids):
+    with launch_context(topk_ids, "moe.moe_align"):
         _launch(topk_ids.reshape(-1), plan, num_slots, E, block_m, max_blocks)  # reshape copies only strided ids
     return plan
 

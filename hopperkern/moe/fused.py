@@ -11,7 +11,6 @@ from .. import tma as _tma
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
 from .._validate import check_same_dtype
 from ..tuning import MoeConfig
-from ._device import on_device
 from .align import direct_plan, moe_align, prefer_direct
 from .configs import moe_launch_config
 from .gemm import ACTIVATIONS, down, gate_up
@@ -116,7 +115,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     if config is None:
         config, _ = moe_launch_config(E, H, I, hidden.dtype, T, k, hidden.device)
     make_plan = direct_plan if prefer_direct(T, k, E) else moe_align
-    with on_device(hidden):
+    with _tma.launch_context(hidden, "moe.fused_moe"):
         plan = make_plan(topk_ids, E, config.gemm1.block_m)
         inter = gate_up(hidden, w13, plan, config=config.gemm1, activation=activation, tma=tma)
         return down(inter, w2, topk_weights, topk_ids, plan, config=config.gemm2, tma=tma,

@@ -18,7 +18,6 @@ import triton
 
 from .. import tma as _tma
 from ..tuning import KernelConfig
-from ._device import on_device
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_kernel, _gate_up_kernel, _topk_sum_kernel
 from .align import AlignPlan
 from .configs import num_programs
@@ -81,7 +80,7 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     d = _tma.decide(tma, {"w13": (w13, (1, bn, bk)), "inter": (out, (bm, bn))}, op="moe.gemm1")
     progs = num_programs(config, hidden.element_size(), 2, hidden.device)
     grid = (min(plan.max_blocks * triton.cdiv(I, bn), progs),)
-    with on_device(hidden):
+    with _tma.launch_context(hidden, "moe.gate_up"):
         _gate_up_kernel[grid](
             hidden, w13, out, _slots(plan), plan.block_expert, plan.num_blocks,
             E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
@@ -133,7 +132,7 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
         buf = torch.zeros((T, H), dtype=torch.float32, device=dev)
     progs = num_programs(config, inter.element_size(), 1, dev)
     grid = (min(plan.max_blocks * triton.cdiv(H, bn), progs),)
-    with on_device(inter):
+    with _tma.launch_context(inter, "moe.down"):
         _down_kernel[grid](
             inter, w2, buf, topk_weights, _slots(plan), plan.block_expert, plan.num_blocks,
             E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
@@ -163,7 +162,7 @@ def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
     if T == 0 or H == 0:
         return out
     bh = min(block_h, triton.next_power_of_2(H))
-    with on_device(slot_rows):
+    with _tma.launch_context(slot_rows, "moe.topk_sum"):
         _topk_sum_kernel[(T, triton.cdiv(H, bh))](
             slot_rows, topk_ids.reshape(-1), out, num_experts, H, slot_rows.stride(0), out.stride(0),
             out.stride(1), TOP_K=k, BLOCK_H=bh, num_warps=4,
