@@ -10,6 +10,7 @@ checked on CPU. Kernels are never changed to suit the interpreter.
 """
 
 import os
+import threading
 
 import pytest
 import torch
@@ -99,3 +100,22 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+def run_in_thread(fn):
+    """``fn()`` run in a new ``threading.Thread`` (a fresh context, as in a trainer's worker thread); returns its
+    result, and re-raises here whatever it raised there."""
+    box = {}
+
+    def work():
+        try:
+            box["out"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            box["err"] = exc
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]

@@ -5,11 +5,11 @@ error against an fp64 reference (chunked fp32 where fp64 would not fit) is at mo
 Run with ``pytest -m gpu``; on a machine without CUDA every test here is skipped.
 """
 
-import threading
 
 import pytest
 import torch
 
+from conftest import run_in_thread
 from hopperkern import lce
 from hopperkern.lce import reference as ref
 from test_lce import _no_tma_env  # noqa: F401  (autouse: a HOPPERKERN_TMA in the environment would override modes)
@@ -140,20 +140,7 @@ def test_call_from_worker_thread():
     inp, ups = _inputs(MID), [upstream((), device=DEV)]
     fn = call(lce.linear_cross_entropy, tma="always")
     main = run(fn, inp, ups)
-    box = {}
-
-    def work():
-        try:
-            box["out"] = run(fn, inp, ups)
-        except BaseException as exc:  # re-raised on the main thread
-            box["err"] = exc
-
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
-    if "err" in box:
-        raise box["err"]
-    (loss,), grads = box["out"]
+    (loss,), grads = run_in_thread(lambda: run(fn, inp, ups))
     assert torch.equal(loss, main[0][0])
     for name, g, want in zip(GRADS, grads, main[1]):
         assert rel_err(g, want) < 1e-3, name

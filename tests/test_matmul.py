@@ -2,13 +2,12 @@
 
 import contextvars
 import re
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, _f32_to_bf16_bits
+from conftest import DEVICE, _f32_to_bf16_bits, run_in_thread
 
 from hopperkern import tma
 from hopperkern.matmul import matmul
@@ -203,13 +202,9 @@ def _run_and_capture(fn):
 def test_tma_matmul_in_worker_thread():
     a, b = _inputs(256, 320, 192, torch.float16, seed=6)
     matmul(a, b, tma="always")  # the main thread has its allocator; the worker must install its own
-    out, work = _run_and_capture(lambda: matmul(a, b, tma="always"))
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
-    assert "error" not in out, repr(out.get("error"))
-    assert out["use"] == {"a": True, "b": True, "c": True}
-    assert_matches_reference(out["c"], a, b)
+    c, use = run_in_thread(lambda: (matmul(a, b, tma="always"), tma.last_decision("matmul").use))
+    assert use == {"a": True, "b": True, "c": True}
+    assert_matches_reference(c, a, b)
 
 
 @pytest.mark.gpu

@@ -1,11 +1,11 @@
 """GPU-only MoE tests (run on the H200 with ``pytest -m gpu``): bf16 on the real shapes, CUDA-graph capture of
 a decode step, a call from a worker thread (device-side TMA descriptors need a per-thread allocator)."""
 
-import threading
 
 import pytest
 import torch
 
+from conftest import run_in_thread
 from hopperkern import moe, tma
 from hopperkern.moe import reference
 
@@ -103,20 +103,7 @@ def test_call_from_worker_thread():
     w13, w2 = _weights(E, H, I)
     x, weights, ids = _tokens(5, E, H, k, seed=2)
     main = moe.fused_moe(x, w13, w2, weights, ids, tma="always")
-    result = {}
-
-    def work():
-        try:
-            result["out"] = moe.fused_moe(x, w13, w2, weights, ids, tma="always")
-        except Exception as exc:  # re-raised in the main thread
-            result["exc"] = exc
-
-    th = threading.Thread(target=work)
-    th.start()
-    th.join()
-    if "exc" in result:
-        raise result["exc"]
-    assert torch.equal(result["out"], main)
+    assert torch.equal(run_in_thread(lambda: moe.fused_moe(x, w13, w2, weights, ids, tma="always")), main)
 
 
 def test_large_prefill_against_reference():
