@@ -202,10 +202,15 @@ class TuningConfig(BaseModel):
         Path(path).write_text(json.dumps(self.model_dump(), indent=1, sort_keys=True) + "\n")
 
 
+@functools.lru_cache(maxsize=1)
+def _package_dir() -> Path:
+    return Path(__file__).resolve().parent  # resolved once: load_config runs on every op call
+
+
 def packaged_config_dirs() -> list[Path]:
     """Folders that may hold packaged tuning files: the wheel's ``hopperkern/configs`` and a checkout's
     top-level ``configs/``."""
-    here = Path(__file__).resolve().parent
+    here = _package_dir()
     return [here / "configs", here.parent / "configs"]
 
 
@@ -229,16 +234,17 @@ def _parse_file(path: Path) -> TuningConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def _load_cached(path: str, mtime_ns: int) -> TuningConfig:
-    return _parse_file(Path(path))
+def _load_cached(path: str, mtime_ns: int, why: str) -> TuningConfig:
+    cfg = _parse_file(Path(path))
+    cfg._origin = path
+    cfg._why = why
+    return cfg
 
 
 def _load_path(path: Path, why: str) -> TuningConfig:
-    st = path.stat()
-    cfg = _load_cached(str(path.resolve()), st.st_mtime_ns).model_copy()
-    cfg._origin = str(path)
-    cfg._why = why
-    return cfg
+    # Parsed once per (file, modification time, lookup reason); every op call looks its config up, so the
+    # steady state is one stat and a cache hit. The object is shared between calls: treat it as read-only.
+    return _load_cached(str(path), path.stat().st_mtime_ns, why)
 
 
 def _current_device_name() -> Optional[str]:
@@ -287,7 +293,8 @@ _WARNED: set = set()
 def load_config(source=None) -> TuningConfig:
     """The tuning config for ``source``: None (current GPU), a device name (``"NVIDIA H200"``) or a path.
 
-    Falls back to built-in defaults with one warning per missing file. Raises :class:`TuningFileError` for a
+    The returned config is shared between calls (treat it as read-only). Falls back to built-in defaults with one
+    warning per missing file. Raises :class:`TuningFileError` for a
     malformed file and ``FileNotFoundError`` for an explicit path (argument or ``HOPPERKERN_CONFIG``) that does
     not exist.
     """
