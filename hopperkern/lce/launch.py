@@ -239,11 +239,13 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
-    d_w = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_weight_grad else None
-    d_b = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
         d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
-        return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
+        d_w = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
+        return d_h, d_w, torch.zeros_like(bias) if bias is not None else None
+    # Every vocab slice of d_weight and d_bias is written once below: no memset of the [V, H] gradient.
+    d_w = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
+    d_b = torch.empty(V, dtype=torch.float32, device=dev) if bias is not None else None
     cfg = config or pick_config("backward", dt, N, H)
     vs = _slice_cols(N, V, cfg.block_n, hidden2d.element_size())
     ld = triton.cdiv(vs, 64) * 64  # row pitch of the slice buffer: 128-byte aligned rows for TMA stores
