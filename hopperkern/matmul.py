@@ -13,12 +13,9 @@ import triton.language as tl
 
 from . import tma as _tma
 from ._validate import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype
-from .tma.jit import load_2d, store_2d, tile_source_2d
+from .tma.jit import grouped_tile, load_2d, store_2d, tile_source_2d
 
 __all__ = ["matmul"]
-
-_TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
 
 @triton.jit
 def _matmul_kernel(
@@ -32,14 +29,7 @@ def _matmul_kernel(
 ):
     """C = A @ B (GEMM dims M, N, K). Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),); one program = one C tile,
     tiles visited in groups of GROUP_M row blocks so neighbouring programs share B tiles in L2."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_n)) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     a_src = tile_source_2d(a_ptr, M, K, stride_am, BLOCK_M, BLOCK_K, A_TMA)
     b_src = tile_source_2d(b_ptr, K, N, stride_bk, BLOCK_K, BLOCK_N, B_TMA)

@@ -11,25 +11,13 @@ take a descriptor or a pointer depending on a ``*_TMA`` constexpr.
 import triton
 import triton.language as tl
 
-from ..tma.jit import load_2d, load_rows, store_2d, tile_source_2d
+from ..tma.jit import grouped_tile, load_2d, load_rows, store_2d, tile_source_2d
 
 
 @triton.jit
 def _tanh(x):
     # tanh through exp: libdevice calls do not run in the interpreter. Saturates correctly at +-inf.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _grouped_tile(pid, num_rows, num_cols, GROUP: tl.constexpr):
-    """Map a linear program id to (row tile, column tile), visiting GROUP row tiles per column sweep so that
-    programs running at the same time share weight tiles (columns) and hidden tiles (rows) in L2."""
-    per_group = GROUP * num_cols
-    group = pid // per_group
-    first = group * GROUP
-    size = tl.minimum(num_rows - first, GROUP)
-    local = pid % per_group
-    return first + local % size, local // size
 
 
 @triton.jit
@@ -71,11 +59,11 @@ def lce_forward_kernel(
 
     Grid (cdiv(N, BLOCK_N) * S,); one program = one row block x one vocab split of ``tiles_per_split``
     BLOCK_V tiles, keeping m/s/t/sumz in registers across its tiles. Programs are ordered GROUP_N row blocks
-    per split sweep (see ``_grouped_tile``). The label logit is not taken here (see lce_label_logit_kernel):
+    per split sweep (see ``hopperkern.tma.jit.grouped_tile``). The label logit is not taken here (see lce_label_logit_kernel):
     that keeps a compare-select-reduce over every tile out of the epilogue.
     """
     pid = tl.program_id(0)
-    rb, split = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), S, GROUP_N)
+    rb, split = grouped_tile(pid, tl.cdiv(N, BLOCK_N), S, GROUP_N)
     row0 = rb * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -270,7 +258,7 @@ def lce_dlogits_kernel(
     # Persistent: NUM_PROGRAMS programs stride over the tiles; with FLATTEN the compiler pipelines the next
     # tile's loads under this tile's epilogue.
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        rb, vt = _grouped_tile(tile, num_rb, tl.cdiv(ncols, BLOCK_V), GROUP_N)
+        rb, vt = grouped_tile(tile, num_rb, tl.cdiv(ncols, BLOCK_V), GROUP_N)
         row0 = rb * BLOCK_N
         col0 = col_begin + vt * BLOCK_V
         rows = row0 + tl.arange(0, BLOCK_N)

@@ -15,7 +15,7 @@ or pointer loads, switched by constexpr flags chosen on the host by :func:`hoppe
 import triton
 import triton.language as tl
 
-from ..tma.jit import load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
+from ..tma.jit import grouped_tile, load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
 
 ACT_SILU = 0
 ACT_GELU_TANH = 1
@@ -40,18 +40,6 @@ def _activation(g, ACT: tl.constexpr):
     else:
         out = g * _sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
     return out
-
-
-@triton.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
-    """(row block, N tile) of linear tile ``tile``, row blocks visited in groups of GROUP_M so that programs
-    running together share weight tiles in L2 (neighbouring blocks usually belong to the same expert)."""
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_size
-    pid_n = (tile % per_group) // group_size
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -113,7 +101,7 @@ def _gate_up_kernel(
     num_m = _row_blocks(num_blocks_ptr, max_blocks, DIRECT)
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         e, k_steps, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, E, num_slots, top_k, H,
                                                    BLOCK_M, BLOCK_K, DIRECT)
         n0 = pid_n * BLOCK_N
@@ -160,7 +148,7 @@ def _down_kernel(
     num_m = _row_blocks(num_blocks_ptr, max_blocks, DIRECT)
     num_n = tl.cdiv(H, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         e, k_steps, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, E, num_slots, top_k, I,
                                                    BLOCK_M, BLOCK_K, DIRECT)
         n0 = pid_n * BLOCK_N

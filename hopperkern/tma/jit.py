@@ -12,7 +12,19 @@ Pointer offsets along the leading dim are computed in int64: N*V and V*H exceed 
 import triton
 import triton.language as tl
 
-__all__ = ["tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d", "load_rows"]
+__all__ = ["grouped_tile", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d", "load_rows"]
+
+
+@triton.jit
+def grouped_tile(tile, num_rows, num_cols, GROUP: tl.constexpr):
+    """(row tile, column tile) of linear tile index ``tile`` over a [num_rows, num_cols] grid of tiles, visiting
+    GROUP row tiles per sweep of the columns, so that tiles in flight together share row and column operands
+    in L2. The one tile order of every hopperkern GEMM-shaped kernel."""
+    per_group = GROUP * num_cols
+    first = (tile // per_group) * GROUP
+    size = tl.minimum(num_rows - first, GROUP)
+    local = tile % per_group
+    return first + local % size, local // size
 
 
 @triton.jit
