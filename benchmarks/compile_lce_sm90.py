@@ -1,0 +1,68 @@
+"""Compile the LCE kernels and the matmul for sm_90 WITHOUT a GPU (triton.compile + ptxas -v) and print
+registers, spills and shared memory per variant: a free check before spending device time.
+
+    env -u TRITON_INTERPRET python -m benchmarks.compile_lce_sm90
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from benchmarks.compile_moe_sm90 import _ptxas_stats, _signature
+    from hopperkern.lce import _kernels as K
+    from hopperkern.matmul import _matmul_kernel
+
+    failed = 0
+
+    def comp(name, fn, vals, const, warps, stages):
+        nonlocal failed
+        sig, const, attrs = _signature(fn, vals, const)
+        try:
+            k = triton.compile(triton.compiler.ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=warps, num_stages=stages))
+            regs, spills = _ptxas_stats(k.asm["ptx"])
+            print(f"ok   {name}: regs {regs} spills {spills} smem {k.metadata.shared // 1024}K")
+        except Exception as exc:  # noqa: BLE001 - report every failure, keep going
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+
+    N, V, H = 8192, 128256, 4096
+    tiles = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)]
+    for bn, bv, bk, w, st in tiles:
+        for tma in (False, True):
+            for fl in (False, True):
+                tag = f"{bn}x{bv}x{bk} w{w} s{st} tma={int(tma)} flatten={int(fl)}"
+                comp(f"lce_forward  {tag}", K.lce_forward_kernel,
+                     dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", m_ptr="fp32", s_ptr="fp32", t_ptr="fp32",
+                          sumz_ptr="fp32", N=N, V=V, H=H, S=17, tiles_per_split=30, stride_hn=H, stride_hk=1,
+                          stride_wv=H, stride_wk=1, softcap=1.0, inv_temp=1.0),
+                     dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
+                          NEED_T=True, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma, DOT_PRECISION="tf32"),
+                     w, st)
+                comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,
+                     dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32",
+                          ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", d_ptr="bf16",
+                          N=N, V=V, H=H, col_begin=0, ncols=8192, stride_hn=H, stride_hk=1, stride_wv=H,
+                          stride_wk=1, stride_dn=8192, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                          softcap=1.0, inv_temp=1.0),
+                     dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
+                          HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False, NUM_PROGRAMS=132, FLATTEN=fl,
+                          H_TMA=tma, W_TMA=tma, D_TMA=tma, DOT_PRECISION="tf32"),
+                     w, st)
+    for tma in (False, True):
+        comp(f"matmul 64x64x32 tma={int(tma)}", _matmul_kernel,
+             dict(a_ptr="bf16", b_ptr="bf16", c_ptr="bf16", M=1024, N=1024, K=1024, stride_am=1024, stride_ak=1,
+                  stride_bk=1024, stride_bn=1, stride_cm=1024, stride_cn=1),
+             dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, A_TMA=tma, B_TMA=tma, C_TMA=tma,
+                  DOT_PRECISION="tf32"), 4, 3)
+    print(f"compile_lce_sm90: {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
