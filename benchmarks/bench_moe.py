@@ -1,8 +1,10 @@
 """MoE benchmark: hopperkern.moe.fused_moe (tma auto / never / atomic top-k sum) vs a torch._grouped_mm MLP.
 
 Cases: the five shared/PERF.md shapes x M tokens in {1, 16, 64, 256, 1024, 4096, 16384}, bf16, softmax top-k
-of a random router. Decode sizes (M <= 64) are timed as CUDA-graph replays (fused_moe with check_ids=False
-inside the graph); larger M eagerly. Every provider is checked against an fp32 reference before it is timed.
+of a random router. M <= 1024 is timed as CUDA-graph replays (fused_moe with check_ids=False inside the
+graph; the torch._grouped_mm MLP is captured too): there an eager loop is bound by the host's launch overhead
+(measured at M = 256: 420-930 us eager for ~400 us of kernels), so it would time Python, not the GPU. Larger M
+eagerly (the `timing` column says which). Every provider is checked against an fp32 reference before it is timed.
 
 Models (written next to the figures):
   bytes  = distinct experts touched (counted from the ids) x (2I*H + H*I) x 2  +  x and out (2 x M*H*2)
@@ -37,7 +39,7 @@ SHAPES = {  # name: (E, top_k, H, I), shared/PERF.md
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 QUICK_SHAPES = ("qwen3-30B-A3B", "mixtral-8x7B")
 QUICK_TOKENS = (1, 64, 4096)
-GRAPH_MAX_M = 64
+GRAPH_MAX_M = 1024
 DEVICE, DTYPE = "cuda", torch.bfloat16  # module-level so a CPU dry run of the plumbing can swap them
 CHECK_ROWS = 256  # rows of out compared with the fp32 reference (rows are independent)
 

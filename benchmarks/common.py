@@ -52,6 +52,20 @@ def time_graph(fn, *, reps: int = 50):
     return time_cuda(capture_graph(fn, warmup=3).replay, warmup=3, reps=reps)
 
 
+def graph_ms(fn, *, calls: int = 10, warmup: int = 10, rep: int = 40) -> float:
+    """Median GPU milliseconds of ONE call of ``fn``: a CUDA graph of ``calls`` back-to-back calls, replayed by
+    triton.testing.do_bench, divided by ``calls``. For launches of a few to a few hundred microseconds, where an
+    eager loop measures the host's launch overhead instead of the kernels (tuners, decode sizes)."""
+    import triton
+
+    def many():
+        for _ in range(calls):
+            fn()  # outputs are dropped at once, so the graph's pool reuses one set of buffers
+
+    g = capture_graph(many, warmup=1)
+    return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / calls
+
+
 def measure_ceilings() -> dict:
     """cuBLAS bf16 8192^3 rate (TFLOP/s) and device-to-device copy bandwidth (GB/s, bytes read + written),
     measured now, on random data."""

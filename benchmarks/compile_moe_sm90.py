@@ -73,21 +73,26 @@ def compile_one(job):
     gemm, E, H, I, cfg_d, w_tma, y_tma, flatten, direct = job  # noqa: E741
     cfg = KernelConfig(**{**cfg_d, "flatten": flatten})
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  W_TMA=w_tma, Y_TMA=y_tma, DOT_PRECISION="tf32", DIRECT=direct, NUM_PROGRAMS=132,
-                  FLATTEN=flatten)
+                  W_TMA=w_tma, Y_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
     if gemm == 1:
         fn = K._gate_up_kernel
         vals = dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", slots_ptr="i32", block_expert_ptr="i32",
                     num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096, top_k=8, max_blocks=64,
                     stride_xt=H, stride_xh=1, stride_we=2 * I * H, stride_wn=H, stride_wh=1, stride_ym=I)
-        const = dict(common, ACT=K.ACT_SILU)
+        const = dict(common, ACT=K.ACT_SILU, DIRECT=direct)
+    elif direct == "fused":  # a DIRECT plan's down GEMM with the top-k sum inside
+        fn = K._down_direct_kernel
+        vals = dict(y_ptr="bf16", w_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", ids_ptr="i32", E=E, H=H, I=I,
+                    num_rows=128, num_tokens=1, top_k=8, stride_ym=I, stride_we=H * I, stride_wh=I, stride_wi=1,
+                    stride_twt=8, stride_twk=1, stride_ot=H, stride_oh=1)
+        const = dict(common, TOP_K_P=8)
     else:
         fn = K._down_kernel
         vals = dict(y_ptr="bf16", w_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", slots_ptr="i32",
                     block_expert_ptr="i32", num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096,
                     top_k=8, max_blocks=64, stride_ym=I, stride_we=H * I, stride_wh=I, stride_wi=1, stride_twt=8,
                     stride_twk=1, stride_om=H, stride_on=1)
-        const = dict(common, ATOMIC=False)
+        const = dict(common, ATOMIC=False, DIRECT=bool(direct))
     sig, const, attrs = _signature(fn, vals, const)
     row = dict(gemm=gemm, E=E, H=H, I=I, cfg=cfg, w_tma=w_tma, y_tma=y_tma, direct=direct)
     try:
@@ -107,7 +112,7 @@ def compile_one(job):
 
 def jobs(quick: bool):
     from benchmarks.bench_moe import SHAPES
-    from benchmarks.tune_moe import BUCKETS, block_m_choices, candidates
+    from benchmarks.tune_moe import BUCKETS, block_m_choices, candidates, fused_candidates
     from hopperkern.moe.configs import heuristic_config
 
     cfgs = {}  # (gemm, E, H, I) -> {config dict}
@@ -120,7 +125,7 @@ def jobs(quick: bool):
                 continue
             for bm in block_m_choices(T, k, E):
                 for gemm in (1, 2):
-                    for c in candidates(bm, gemm):
+                    for c in candidates(bm, gemm) + (fused_candidates(bm) if gemm == 2 and bm == 16 else []):
                         cfgs.setdefault((gemm, E, H, I), {})[tuple(sorted(c.model_dump().items()))] = c
     out = []
     for (gemm, E, H, I), cs in cfgs.items():  # noqa: E741
@@ -133,6 +138,8 @@ def jobs(quick: bool):
                     out.append((gemm, E, H, I, d, tma, tma, flatten, False))
                     if direct:
                         out.append((gemm, E, H, I, d, tma, tma, flatten, True))
+                        if gemm == 2:
+                            out.append((gemm, E, H, I, d, tma, tma, flatten, "fused"))
     return out
 
 
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
             c = r["cfg"]
             what = (f"gemm{r['gemm']} E{r['E']} H{r['H']} I{r['I']} bm{c.block_m} bn{c.block_n} bk{c.block_k} "
                     f"w{c.num_warps} s{c.num_stages} flat={int(c.flatten)} tma={int(r['w_tma'])} "
-                    f"direct={int(r['direct'])}")
+                    f"direct={r['direct']}")
             if not r["ok"]:
                 bad += 1
                 print(f"FAIL {what}: {r['error']}")

@@ -28,7 +28,6 @@ LCE_CANDIDATES = [
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=False),
     KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4, flatten=True),
     KernelConfig(block_m=128, block_n=128, block_k=128, group_m=16, num_warps=8, num_stages=3, flatten=True),
-    KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=4, num_stages=4, flatten=True),
 ]
 
 

@@ -1,9 +1,11 @@
 """MoE tuner: a small sweep of launch configs per (E, H, I, dtype) and token bucket on the current GPU.
 
-For each bucket the row block (block_m) comes from :func:`hopperkern.moe.configs.pick_block_m` (plus the
-neighbouring size for mid-size buckets); GEMM1 (gate/up) and GEMM2 (down, atomic reduction) are then timed
-separately over a few candidates each (triton.testing.do_bench, eager), and the pair with the lowest summed
-time wins. Candidates that fail (shared memory, compile) are skipped. Results merge into
+For each bucket the row block (block_m) comes from :func:`hopperkern.moe.configs.pick_block_m` plus its
+neighbours where the mean slots per expert sit near a block boundary; GEMM1 (gate/up) and GEMM2 (down, with
+its top-k reduction as fused_moe runs it) are then timed separately over a few candidates each, and the pair
+with the lowest summed time wins. Buckets up to ``GRAPH_MAX_T`` tokens are timed as CUDA-graph replays of 10
+back-to-back launches (benchmarks.common.graph_ms): their kernels run for 10-500 us, and an eager loop would
+time the host's launch overhead instead (the first tuner did; its decode picks were noise). Candidates that fail (shared memory, compile) are skipped. Results merge into
 ``configs/<DEVICE>.json`` through the hopperkern.tuning models; other entries (e.g. "lce") are kept.
 
     python -m benchmarks.tune_moe --out configs/ [--shapes qwen3-30B-A3B ...] [--tokens 1 64 4096]
@@ -24,6 +26,8 @@ from benchmarks.bench_moe import SHAPES
 from hopperkern.tuning import KernelConfig, MoeConfig, moe_key
 
 BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
+GRAPH_MAX_T = 1024
+_SMEM_BUDGET = 220 * 1024  # bytes of bf16 pipeline stages + epilogue tile a candidate may use (227 KiB limit)
 
 
 def _k(bm, bn, bk, warps, stages, group, flatten=False):
@@ -34,13 +38,17 @@ def _k(bm, bn, bk, warps, stages, group, flatten=False):
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
     """6-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
 
-    Prefill sizes (block_m >= 64) include flattened tile loops (the persistent kernels prefetch the next
-    tile's K loads under this tile's epilogue); they replace the configs that never won on the H200.
+    Decode sizes (block_m <= 32) are weight-bandwidth bound: N tiles from 16 to 128 columns (more programs
+    against longer streams per tile), deep K tiles and pipelines. Prefill sizes (block_m >= 64) include
+    flattened tile loops (the persistent kernels prefetch the next tile's K loads under this tile's epilogue).
     No flattened 128 x 256 down tile: it spills (python -m benchmarks.compile_moe_sm90)."""
-    if block_m <= 32:  # weight-bandwidth bound: narrow N tiles for many programs, deep K tiles and pipelines
+    if block_m <= 32:
         t = [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
-             (16, 64, 4, 6), (32, 64, 4, 5)]
-        return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t]
+             (64, 256, 4, 3), (128, 128, 4, 3)]
+        ops = 2 if gemm == 1 else 1  # weight tiles per K step
+        return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t
+                if s * (block_m + ops * bn) * bk * 2 + block_m * bn * 2 <= _SMEM_BUDGET
+                and not (gemm == 1 and block_m == 32 and bk == 256)]  # two 32-row accumulators + 256-wide K: spills
     if block_m == 64:
         t = ([(64, 64, 4, 4, 0), (64, 128, 4, 3, 0), (128, 64, 8, 3, 0), (64, 64, 4, 5, 0), (64, 64, 4, 4, 1),
               (128, 64, 8, 3, 1)]
@@ -56,26 +64,45 @@ def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
     return [_k(128, bn, bk, w, s, 8, bool(f)) for bn, bk, w, s, f in t]
 
 
+def fused_candidates(block_m: int) -> list[KernelConfig]:
+    """Extra down-GEMM configs for the fused top-k kernel of direct plans: it has k times fewer programs than
+    the slot-parallel kernel, so each needs a deeper pipeline to keep enough bytes in flight."""
+    t = [(16, 256, 4, 6), (32, 256, 4, 5), (16, 128, 4, 8), (64, 128, 4, 6)]
+    return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t]
+
+
 def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
+    """Row-block sizes to try: the heuristic's, and its neighbours where the mean slots per expert sit near a
+    block boundary. At decode sizes a bigger block (more padding rows, nearly free while weight-bound) keeps
+    most experts in ONE block, so their weights stream once instead of once per block."""
     from hopperkern.moe.configs import pick_block_m
 
     bm = pick_block_m(T, top_k, E)
     per_expert = T * top_k / E
+    if bm <= 32 and per_expert > 2:
+        return [bm, 2 * bm]
     if bm == 64 and per_expert > 48:
         return [64, 128]
+    if bm == 64:
+        return [64, 32]
     if bm == 128 and per_expert < 512:
         return [128, 64]
     return [bm]
 
 
-def _best(fn_of_cfg, cands, log, what):
+def _best(fn_of_cfg, cands, log, what, graph: bool):
     import triton
+
+    from benchmarks.common import graph_ms
 
     best = None
     for cfg in cands:
         try:
-            ms = triton.testing.do_bench(lambda: fn_of_cfg(cfg), warmup=3, rep=10)
+            fn = (lambda: fn_of_cfg(cfg))  # noqa: E731
+            fn()  # compile (and fail) outside any graph capture
+            ms = graph_ms(fn) if graph else triton.testing.do_bench(fn, warmup=3, rep=10)
         except Exception as exc:  # out of shared memory / registers, compile error: skip the candidate
+            torch.cuda.synchronize()
             log(f"    {what} {cfg.model_dump()} skipped: {type(exc).__name__}: {str(exc)[:100]}")
             continue
         if best is None or ms < best[0]:
@@ -105,19 +132,26 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
             for bm in block_m_choices(T, top_k, E):
                 make_plan = moe.direct_plan if moe.prefer_direct(T, top_k, E) else moe.moe_align  # as fused_moe
                 plan = make_plan(ids, E, bm)
-                g1 = _best(lambda c: moe.gate_up(x, w13, plan, config=c), candidates(bm, 1), log, "gemm1")
+                graph = T <= GRAPH_MAX_T
+                g1 = _best(lambda c: moe.gate_up(x, w13, plan, config=c), candidates(bm, 1), log, "gemm1", graph)
                 if g1 is None:
                     continue
                 inter = moe.gate_up(x, w13, plan, config=g1[1])
                 g2 = _best(lambda c: moe.down(inter, w2, weights, ids, plan, config=c), candidates(bm, 2), log,
-                           "gemm2")
+                           "gemm2", graph)
+                fused = False
+                if plan.direct:  # the top-k sum inside the down GEMM: k times fewer, longer programs
+                    g2f = _best(lambda c: moe.down(inter, w2, weights, ids, plan, config=c, fused_topk=True),
+                                candidates(bm, 2) + fused_candidates(bm), log, "gemm2 fused", graph)
+                    if g2f is not None and (g2 is None or g2f[0] < g2[0]):
+                        g2, fused = g2f, True
                 if g2 is None:
                     continue
                 total = g1[0] + g2[0]
                 log(f"  {key} T={T} block_m={bm}: gemm1 {g1[0] * 1e3:.1f} us {g1[1].model_dump()} | "
-                    f"gemm2 {g2[0] * 1e3:.1f} us {g2[1].model_dump()}")
+                    f"gemm2{' fused top-k' if fused else ''} {g2[0] * 1e3:.1f} us {g2[1].model_dump()}")
                 if best is None or total < best[0]:
-                    best = (total, MoeConfig(gemm1=g1[1], gemm2=g2[1]))
+                    best = (total, MoeConfig(gemm1=g1[1], gemm2=g2[1], fused_topk=fused))
                 del inter, plan
             if best is not None:
                 result.setdefault(key, {})[str(T)] = best[1]

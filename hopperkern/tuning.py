@@ -100,12 +100,16 @@ class KernelConfig(BaseModel):
 
 
 class MoeConfig(BaseModel):
-    """Both grouped GEMMs of one fused_moe call. They share block_m: the alignment pads to it."""
+    """Both grouped GEMMs of one fused_moe call. They share block_m: the alignment pads to it.
+
+    ``fused_topk``: with a direct plan (tiny batches), sum each token's k experts inside the down GEMM instead
+    of a separate top-k reduction (see :func:`hopperkern.moe.down`); ignored for sorted plans."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gemm1: KernelConfig
     gemm2: KernelConfig
+    fused_topk: bool = False
 
     @model_validator(mode="after")
     def _same_block_m(self):

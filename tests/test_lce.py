@@ -322,13 +322,14 @@ def test_several_vocab_slices_in_backward(mode, monkeypatch):
 @pytest.mark.parametrize("N, V, sm_count", [(37, 100, 1), (37, 100, 4), (1, 128256, 132), (8192, 128256, 132),
                                              (131072, 151936, 132), (17000, 128256, 132)])
 def test_forward_plan_invariants(N, V, sm_count):
-    """Whatever the split heuristic: every vocab tile in exactly one split, no empty split, and the per-split
-    statistics within STATS_BUDGET (or a single split)."""
+    """Whatever the split heuristic: every vocab tile in exactly one split, no empty split, the per-split
+    statistics within STATS_BUDGET and splits of at least _MIN_SPLIT_COLS columns (or a single split)."""
     for cfg in (KernelConfig(block_m=16, block_n=32, block_k=32), KernelConfig(block_m=128, block_n=256, block_k=64)):
         S, tps = launch.forward_plan(N, V, cfg, sm_count)
         num_vt = -(-V // cfg.block_n)
         assert S >= 1 and tps >= 1 and (S - 1) * tps < num_vt <= S * tps, (S, tps, num_vt)
         assert S == 1 or 16 * S * N <= launch.STATS_BUDGET
+        assert S == 1 or V // S >= launch._MIN_SPLIT_COLS, "each split must cover at least _MIN_SPLIT_COLS columns"
 
 
 PLANS = [pytest.param((1, 7), id="1 split of all 7 tiles"), pytest.param((3, 3), id="3 splits of 3, 3, 1 tiles"),

@@ -381,3 +381,26 @@ def test_cpu_tensors_without_interpreter_raise_unsupported(monkeypatch):
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
     with torch.no_grad(), pytest.raises(tma.UnsupportedError, match="moe.fused_moe cannot run on cpu tensors"):
         moe.fused_moe(x, w13, w2, torch.rand(3, 2), ids)
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize("k", [3, 5], ids=["k3", "k5"])
+def test_direct_plan_down_fuses_topk_sum(k, mode, device):
+    """fused_topk: a direct plan's down GEMM sums the token's k experts in one kernel: k not a power of two (masked
+    register lanes), I = 48 over two K steps of 32 (the per-expert switch happens mid-loop, with a K tail),
+    a dropped id in the middle, int64 ids, fp32. Equal to the sorted plan's result (a topk_sum launch)."""
+    x, w13, w2, weights, ids = make_inputs(1, 16, 64, 48, k, torch.float32, device, seed=13, drop=0.0)
+    ids = ids.long()
+    ids[0, 1] = -1
+    g = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)
+    outs = []
+    for plan in (moe.direct_plan(ids, 16, 16), moe.moe_align(ids, 16, 16)):
+        assert plan.direct == (len(outs) == 0)
+        inter = moe.gate_up(x, w13, plan, config=g, tma=mode)
+        outs.append(moe.down(inter, w2, weights, ids, plan, config=g, tma=mode, out_dtype=torch.float32,
+                             fused_topk=True))
+    check_against_reference(outs[0], (x, w13, w2, weights, ids))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    cfg = MoeConfig(gemm1=g, gemm2=g, fused_topk=True)  # through fused_moe and the config model
+    out = moe.fused_moe(x, w13, w2, weights, ids, tma=mode, config=cfg)
+    torch.testing.assert_close(out.float(), outs[1], rtol=1e-5, atol=1e-6)

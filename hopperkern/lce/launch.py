@@ -37,6 +37,7 @@ DLOGITS_BUDGET = 128 * 2**20  # bytes of the per-slice d(logits) buffer
 STATS_BUDGET = 8 * 2**20  # bytes of the forward's per-split statistics (4 fp32 [S, N] arrays)
 _COMBINE_BLOCK = 128
 _TARGET_WAVES = 20
+_MIN_SPLIT_COLS = 4096  # vocab columns per forward program at least (a split's start-up and stores amortised)
 _ROW_BLOCK = 32  # rows per program of the O(N*H) label-logit kernel
 _ROW_BLOCK_K = 128
 
@@ -134,14 +135,17 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int) -> tuple[int,
     """(S, tiles_per_split): vocab splits per row block.
 
     Programs are long (tiles_per_split tiles each), so a partly filled last wave costs a whole program's time:
-    aim at >= ``_TARGET_WAVES`` waves of programs (a tail of <= 1/20), within ``STATS_BUDGET``. Measured on
-    the H200 (benchmarks/NOTES.md): more, shorter programs were faster up to ~20 waves at H = 4096 and
-    beyond 4 waves at H = 896.
+    aim at ``_TARGET_WAVES`` waves of programs (a tail of <= 1/20), within ``STATS_BUDGET``, but give each
+    program at least ``_MIN_SPLIT_COLS`` vocab columns, since every program pays a pipeline fill and its
+    statistics stores. Measured on the H200 (benchmarks/NOTES.md, session 6): at 2169 x 896 and 1937 x 3584
+    (17 row blocks) 4 waves of ~4.8k-column splits beat 20 waves of 1k-column ones by 7-10 %; at 8192 x 4096
+    12 and 30 tiles of 256 per split were within 1.3 %.
     """
     num_rb = triton.cdiv(N, cfg.block_m)
     num_vt = triton.cdiv(V, cfg.block_n)
     s_max = max(1, min(num_vt, STATS_BUDGET // max(1, 16 * N)))
-    S = max(1, min(s_max, triton.cdiv(_TARGET_WAVES * sm_count, num_rb)))
+    s_cols = max(1, V // _MIN_SPLIT_COLS)
+    S = max(1, min(s_max, s_cols, triton.cdiv(_TARGET_WAVES * sm_count, num_rb)))
     tps = triton.cdiv(num_vt, S)
     return triton.cdiv(num_vt, tps), tps  # no empty splits
 

@@ -142,7 +142,8 @@ def _down_kernel(
 
     The sorted rows are contiguous, so they load with 2-D TMA. ATOMIC: fp32 atomic adds into out[token]
     (the top-k reduction happens here; the order of the adds varies run to run). Otherwise each slot's row
-    is stored once into out[slot] and :func:`_topk_sum_kernel` adds the k rows in a fixed order."""
+    is stored once into out[slot] and :func:`_topk_sum_kernel` adds the k rows in a fixed order (a DIRECT plan
+    can instead sum inside :func:`_down_direct_kernel`)."""
     y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
     w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
     num_m = _row_blocks(num_blocks_ptr, max_blocks, DIRECT)
@@ -169,6 +170,62 @@ def _down_kernel(
         else:
             ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["num_rows", "num_tokens"])
+def _down_direct_kernel(
+    y_ptr,            # [T*top_k*BLOCK_M, I] intermediate rows of a DIRECT plan: slot s in row s*BLOCK_M
+    w_ptr,            # [E, H, I] w2
+    out_ptr,          # [T, H] out (any float dtype)
+    tw_ptr,           # [T, top_k] routing weights, any float dtype and strides
+    ids_ptr,          # [T*top_k] flattened topk_ids (int32/int64)
+    E, H, I, num_rows, num_tokens, top_k,
+    stride_ym, stride_we, stride_wh, stride_wi, stride_twt, stride_twk, stride_ot, stride_oh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TOP_K_P: tl.constexpr, Y_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """GEMM2 of a DIRECT plan with the top-k sum fused: out[t, n] = sum_j weight[t, j] * (y[slot t*k+j] .
+    w2[ids[t, j], n]), j in order, in fp32, rounded once at the store. Deterministic, and no [T*k, H] round
+    trip or second launch (what :func:`_topk_sum_kernel` costs the sorted path).
+
+    Persistent grid (<= NUM_PROGRAMS,) over (token, BLOCK_N columns) tiles; a tile runs ONE loop of
+    top_k * cdiv(I, BLOCK_K) K steps, expert after expert, so the load pipeline never drains between the
+    token's experts. The expert ids and weights of the token sit in registers (TOP_K_P >= top_k lanes). A
+    dropped id (outside [0, E), e.g. -1) reads its weight tile from rows past H: both memory paths return
+    zeros there without touching memory, and its routing weight is taken as 0."""
+    y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
+    w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
+    num_n = tl.cdiv(H, BLOCK_N)
+    k_steps = tl.cdiv(I, BLOCK_K)
+    lanes = tl.arange(0, TOP_K_P)
+    rows = tl.arange(0, BLOCK_M)
+    for tile in tl.range(tl.program_id(0), num_tokens * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        t, pid_n = grouped_tile(tile, num_tokens, num_n, GROUP_M)
+        n0 = pid_n * BLOCK_N
+        t64 = t.to(tl.int64)
+        ids = tl.load(ids_ptr + t64 * top_k + lanes, mask=lanes < top_k, other=-1)
+        ok = (ids >= 0) & (ids < E)  # in the ids' dtype, before narrowing
+        ids = tl.where(ok, ids, 0).to(tl.int32)
+        wts = tl.load(tw_ptr + t64 * stride_twt + lanes * stride_twk, mask=ok, other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, top_k * k_steps):
+            j = step // k_steps
+            k0 = (step - j * k_steps) * BLOCK_K
+            e = tl.sum(tl.where(lanes == j, ids, 0))
+            live = tl.sum(tl.where(lanes == j, ok.to(tl.int32), 0)) != 0
+            a = load_2d(y_src, (t * top_k + j) * BLOCK_M, k0, num_rows, I, stride_ym, 1, BLOCK_M, BLOCK_K, Y_TMA)
+            b = load_3d(w_src, e, tl.where(live, n0, H), k0, H, I, stride_we, stride_wh, stride_wi, BLOCK_N,
+                        BLOCK_K, W_TMA)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            last = k0 + BLOCK_K >= I
+            wj = tl.sum(tl.where(lanes == j, wts, 0.0))
+            total = tl.where(last, total + acc * wj, total)
+            acc = tl.where(last, 0.0, acc)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + t64 * stride_ot + rows[:, None] * 0 + cols[None, :] * stride_oh
+        tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] == 0) & (cols[None, :] < H))
 
 
 @triton.jit

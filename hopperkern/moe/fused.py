@@ -119,4 +119,4 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         plan = make_plan(topk_ids, E, config.gemm1.block_m)
         inter = gate_up(hidden, w13, plan, config=config.gemm1, activation=activation, tma=tma)
         return down(inter, w2, topk_weights, topk_ids, plan, config=config.gemm2, tma=tma,
-                    deterministic=deterministic, out_dtype=hidden.dtype)
+                    deterministic=deterministic, out_dtype=hidden.dtype, fused_topk=config.fused_topk)

@@ -18,7 +18,7 @@ import triton
 
 from .. import tma as _tma
 from ..tuning import KernelConfig
-from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_kernel, _gate_up_kernel, _topk_sum_kernel
+from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
 from .align import AlignPlan
 from .configs import num_programs
 
@@ -94,7 +94,7 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
 
 def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
          plan: AlignPlan, *, config: KernelConfig, tma: str = "auto", deterministic: bool = True,
-         out_dtype=None) -> torch.Tensor:
+         out_dtype=None, fused_topk: bool = False) -> torch.Tensor:
     """GEMM2 of fused_moe plus the routed-weight multiply and the reduction over top-k.
 
     inter [plan.max_rows, I] (from :func:`gate_up`, unit inner stride); w2 [E, H, I]; topk_weights and
@@ -105,6 +105,13 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
     fp32); the add order varies, so bits can differ run to run. ``deterministic=True``: each slot's weighted
     row is stored once ([T*k, H] in out_dtype, rounded once) and :func:`topk_sum` adds them in order j = 0..k-1;
     bitwise reproducible, costs a write and a read of T*k*H elements.
+
+    ``fused_topk=True`` with a DIRECT plan (:func:`direct_plan`, tiny batches; ignored otherwise, and then
+    ``deterministic`` does not apply): one program per (token, BLOCK_N columns) walks the token's k experts and
+    sums them in registers (fp32, j in order, one rounding at the store): deterministic, no buffer, no second
+    launch, but k times fewer programs. Measured on the H200 (benchmarks/NOTES.md) it wins where those few
+    programs still cover the GPU with short K (DeepSeek-V3 TP8, H = 7168, I = 256) and loses elsewhere; the
+    tuner decides per shape (``MoeConfig.fused_topk``).
 
     An empty problem (no row blocks, H == 0 or I == 0) returns zeros before the TMA decision, so
     ``tma="always"`` does not refuse it.
@@ -126,6 +133,8 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
         # Every output is an empty sum; before decide(): "always" would refuse the zero-size operands.
         return torch.zeros((T, H), dtype=out_dtype, device=dev)
     d = _tma.decide(tma, {"inter": (inter, (bm, bk)), "w2": (w2, (1, bn, bk))}, op="moe.gemm2")
+    if plan.direct and fused_topk:
+        return _down_direct(inter, w2, topk_weights, topk_ids, plan, config, d, out_dtype)
     if deterministic:
         buf = torch.empty((T * k, H), dtype=out_dtype, device=dev)
     else:
@@ -145,6 +154,30 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
     if deterministic:
         return topk_sum(buf, topk_ids, E, out_dtype=out_dtype)
     return buf if out_dtype == torch.float32 else buf.to(out_dtype)
+
+
+def _down_direct(inter, w2, topk_weights, topk_ids, plan, config, d, out_dtype):
+    """Down GEMM of a DIRECT plan with the top-k sum in the same kernel (:func:`_down_direct_kernel`): one
+    program per (token, column tile) walks the token's k experts, so there is no per-slot buffer and no
+    second launch. Deterministic (no atomics)."""
+    E, H, I = w2.shape  # noqa: E741
+    T, k = topk_ids.shape
+    out = torch.empty((T, H), dtype=out_dtype, device=inter.device)
+    bn = config.block_n
+    progs = num_programs(config, inter.element_size(), 1, inter.device)
+    grid = (min(T * triton.cdiv(H, bn), progs),)
+    with _tma.launch_context(inter, "moe.down"):
+        _down_direct_kernel[grid](
+            inter, w2, out, topk_weights, topk_ids.reshape(-1),
+            E, H, I, plan.max_rows, T, k,
+            inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(0),
+            topk_weights.stride(1), out.stride(0), out.stride(1),
+            BLOCK_M=config.block_m, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            TOP_K_P=triton.next_power_of_2(k), Y_TMA=d["inter"], W_TMA=d["w2"],
+            DOT_PRECISION=_dot_precision(inter.dtype), NUM_PROGRAMS=progs, FLATTEN=config.flatten,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out
 
 
 def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, out_dtype=None,
