@@ -4,7 +4,9 @@ Cases: the five shared/PERF.md shapes x M tokens in {1, 16, 64, 256, 1024, 4096,
 of a random router. M <= 1024 is timed as CUDA-graph replays (fused_moe with check_ids=False inside the
 graph; the torch._grouped_mm MLP is captured too): there an eager loop is bound by the host's launch overhead
 (measured at M = 256: 420-930 us eager for ~400 us of kernels), so it would time Python, not the GPU. Larger M
-eagerly (the `timing` column says which). Every provider is checked against an fp32 reference before it is timed.
+eagerly (the `timing` column says which). For M <= 64 also ``time_us_graph10``: per call in a graph of 10
+back-to-back calls (a decode step inside a model-wide graph; a single-call replay also pays a graph launch,
+~10 us at M = 1). Every provider is checked against an fp32 reference before it is timed.
 
 Models (written next to the figures):
   bytes  = distinct experts touched (counted from the ids) x (2I*H + H*I) x 2  +  x and out (2 x M*H*2)
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import capture_graph, measure_ceilings, run_meta, write_csv
+from benchmarks.common import capture_graph, graph_ms, measure_ceilings, run_meta, write_csv
 
 SHAPES = {  # name: (E, top_k, H, I), shared/PERF.md
     "qwen3-30B-A3B": (128, 8, 2048, 768),
@@ -40,6 +42,7 @@ TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 QUICK_SHAPES = ("qwen3-30B-A3B", "mixtral-8x7B")
 QUICK_TOKENS = (1, 64, 4096)
 GRAPH_MAX_M = 1024
+DECODE_MAX_M = 64  # also timed per call inside a 10-call graph (time_us_graph10)
 DEVICE, DTYPE = "cuda", torch.bfloat16  # module-level so a CPU dry run of the plumbing can swap them
 CHECK_ROWS = 256  # rows of out compared with the fp32 reference (rows are independent)
 
@@ -146,6 +149,10 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
                 (med, p20, p80), row["timing"] = _time(lambda: fn(*args), graph)
                 row.update(time_us=med * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3,
                            gbs=nbytes / med / 1e6, tflops=flops / med / 1e9)
+                if M <= DECODE_MAX_M:
+                    # Per call inside a graph of 10 calls: what a decode step costs inside a model-wide graph,
+                    # without the one graph launch that a single-call replay (time_us) also pays.
+                    row["time_us_graph10"] = graph_ms(lambda: fn(*args)) * 1e3
                 row["pct_copy_bw"] = 100 * row["gbs"] / ceil["copy_gbs"] if M <= 256 else None
                 row["pct_cublas"] = 100 * row["tflops"] / ceil["cublas_bf16_tflops"] if M >= 1024 else None
                 log(f"{name} M={M} {pname}: {row['time_us']:.1f} us  err {row['rel_err']:.2e}")
@@ -216,11 +223,12 @@ def table(rows):
     from rich.table import Table
 
     t = Table(title="MoE (bf16): latency; % of copy bandwidth (M <= 256) / % of cuBLAS (M >= 1024), same run")
-    for col in ("shape", "M", "provider", "us", "%copy", "%cuBLAS", "x torch", "rel err", "config"):
+    for col in ("shape", "M", "provider", "us", "us/call in 10", "%copy", "%cuBLAS", "x torch", "rel err", "config"):
         t.add_column(col)
     for r in rows:
         f = (lambda key, fmt: (fmt % r[key]) if r.get(key) is not None else "-")
-        t.add_row(r["shape"], str(r["M"]), r["provider"], f("time_us", "%.1f"), f("pct_copy_bw", "%.0f"),
+        t.add_row(r["shape"], str(r["M"]), r["provider"], f("time_us", "%.1f"), f("time_us_graph10", "%.1f"),
+                  f("pct_copy_bw", "%.0f"),
                   f("pct_cublas", "%.0f"), f("speedup_vs_torch", "%.2f"), f("rel_err", "%.1e"),
                   escape(r.get("error", r["config_source"] if r["provider"].startswith("hopperkern") else ""))[:40])
     Console(width=170).print(t)
