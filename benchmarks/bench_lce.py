@@ -7,6 +7,12 @@ Floors (cuBLAS bf16, this run): 1G = h @ w.T; 3G = 1G + dlogits @ w + dlogits.T 
 Modes: ``fwd`` = no-grad log-probs + entropy (floor 1G); ``sft`` = sum-loss forward + backward (floor 3G);
 ``rl`` = log-probs + entropy forward + backward with per-token upstream grads (floor 4G).
 
+Timing (since session 6): every provider and every floor is timed with calls enqueued back to back and one
+synchronisation at the end (benchmarks.common.time_cuda(back_to_back=True)), as in a training loop: host work
+overlaps the previous call's kernels, while a sync inside an op (hopperkern's default label check) still
+counts. Before, each call was synchronised alone, which added every provider's host latency to its GPU time
+(~0.7 ms on hopperkern's 1 ms forward at 2169 x 896).
+
     python -m benchmarks.bench_lce --out DIR [--quick] [--compile-shapes K]
 """
 
@@ -70,9 +76,9 @@ def _providers(compile_ok: bool):
 def _floors(h, w, reps):
     N, V = h.shape[0], w.shape[0]
     dl = torch.randn(N, V, device="cuda", dtype=h.dtype) * 1e-3
-    t1, _, _ = time_cuda(lambda: h @ w.T, reps=reps)
-    tdh, _, _ = time_cuda(lambda: dl @ w, reps=reps)
-    tdw, _, _ = time_cuda(lambda: dl.T @ h, reps=reps)
+    t1, _, _ = time_cuda(lambda: h @ w.T, reps=reps, back_to_back=True)
+    tdh, _, _ = time_cuda(lambda: dl @ w, reps=reps, back_to_back=True)
+    tdw, _, _ = time_cuda(lambda: dl.T @ h, reps=reps, back_to_back=True)
     del dl
     return {"1G": t1, "3G": t1 + tdh + tdw, "4G": 2 * t1 + tdh + tdw}
 
@@ -164,7 +170,7 @@ def run_case(N, H, V, provs, reps, with_errors, ceilings):
                         if mode == "rl":
                             row["err_dh"] = _rel(hh.grad, ref["rl_dh"])
                             row["err_dw"] = _rel(ww.grad, ref["rl_dw"])
-                med, p20, p80 = time_cuda(step, warmup=0, reps=reps)
+                med, p20, p80 = time_cuda(step, warmup=0, reps=reps, back_to_back=True)
                 row.update(time_ms=med, p20_ms=p20, p80_ms=p80, ratio=med / floors[FLOORS[mode]])
             except Exception as exc:  # report and go on: one failing peer must not hide the rest
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]

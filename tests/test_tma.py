@@ -175,9 +175,21 @@ def test_reasons_sentences(case, device):
     assert any(case.expect in r for r in reasons), reasons
 
 
-def test_reasons_misaligned_base_names_the_address(device):
+def test_reasons_misaligned_base_names_the_offset(device):
     t = _misaligned_base(device)
-    assert f"base address {t.data_ptr():#x} is not 16-byte aligned" in tma.tma_not_supported_reasons(t, (32, 32))
+    want = f"base address is {t.data_ptr() % 16} bytes past a 16-byte boundary: it is not 16-byte aligned"
+    assert want in tma.tma_not_supported_reasons(t, (32, 32))
+
+
+def test_reasons_are_memoised_on_layout_not_identity(device):
+    """Same layout, different tensors: one memo entry serves both; a different stride or base offset is a
+    different answer."""
+    a = torch.zeros(64, 64, device=device)
+    b = torch.ones(64, 64, device=device)
+    assert tma.tma_not_supported_reasons(a, (32, 32)) == tma.tma_not_supported_reasons(b, (32, 32))
+    assert tma.tma_not_supported_reasons(a[:, 1:], (32, 32)) != tma.tma_not_supported_reasons(a, (32, 32))
+    assert any("last stride" in r for r in tma.tma_not_supported_reasons(a.t(), (32, 32)))
+    assert tma.tma_not_supported_reasons(_misaligned_base(device), (32, 32))
 
 
 # ---------------------------------------------------------------------------------------------------------------

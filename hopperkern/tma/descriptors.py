@@ -45,13 +45,33 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
+_REASONS_MEMO: dict = {}
+_REASONS_MEMO_MAX = 4096
+
+
 def tma_not_supported_reasons(t, block_shape: Sequence[int]) -> list[str]:
     """Why ``t`` cannot be read/written through a TMA descriptor with boxes of ``block_shape``.
 
-    Returns a list of sentences; ``[]`` means TMA can be used for ``t`` on this machine.
+    Returns a list of sentences; ``[]`` means TMA can be used for ``t`` on this machine. Every launch asks this
+    for each operand, so answers are memoised on what they depend on (the device's Capability, dtype, shape,
+    strides, base address modulo 16, block).
     """
-    reasons: list[str] = []
     cap = capability(t.device if getattr(t, "is_cuda", False) else None)
+    try:
+        key = (id(cap), str(t.device), t.dtype, tuple(t.shape), tuple(t.stride()), t.data_ptr() % 16,
+               tuple(int(b) for b in block_shape))
+    except Exception:  # not a torch tensor: no memo
+        return _reasons(t, block_shape, cap)
+    hit = _REASONS_MEMO.get(key)
+    if hit is None or hit[0] is not cap:  # the Capability object is kept, so its id cannot be reused
+        if len(_REASONS_MEMO) >= _REASONS_MEMO_MAX:
+            _REASONS_MEMO.clear()
+        hit = _REASONS_MEMO[key] = (cap, tuple(_reasons(t, block_shape, cap)))
+    return list(hit[1])
+
+
+def _reasons(t, block_shape: Sequence[int], cap) -> list[str]:
+    reasons: list[str] = []
     if not cap.interpreter:
         if not getattr(t, "is_cuda", False):
             reasons.append(f"tensor is on {t.device}, not on a CUDA device")
@@ -82,7 +102,8 @@ def tma_not_supported_reasons(t, block_shape: Sequence[int]) -> list[str]:
         if any(s >= 2**32 for s in t.shape):
             reasons.append(f"a dim of shape {tuple(t.shape)} is >= 2**32")
     if t.data_ptr() % 16 != 0:
-        reasons.append(f"base address {t.data_ptr():#x} is not 16-byte aligned")
+        reasons.append(f"base address is {t.data_ptr() % 16} bytes past a 16-byte boundary: it is not 16-byte "
+                       "aligned")
     return reasons
 
 
