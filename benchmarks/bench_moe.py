@@ -3,7 +3,8 @@
 Cases: the five shared/PERF.md shapes x M tokens in {1, 16, 64, 256, 1024, 4096, 16384}, bf16, softmax top-k
 of a random router. M <= 1024 is timed as CUDA-graph replays (fused_moe with check_ids=False inside the
 graph; the torch._grouped_mm MLP is captured too): there an eager loop is bound by the host's launch overhead
-(measured at M = 256: 420-930 us eager for ~400 us of kernels), so it would time Python, not the GPU. Larger M
+(qwen3-235B at M = 256 on the H200: ~500 us of host time per eager call for ~400 us of kernels, and eager
+samples of one config spread over 418-934 us), so it would time Python, not the GPU. Larger M
 eagerly (the `timing` column says which). For M <= 64 also ``time_us_graph10``: per call in a graph of 10
 back-to-back calls (a decode step inside a model-wide graph; a single-call replay also pays a graph launch,
 ~10 us at M = 1). Every provider is checked against an fp32 reference before it is timed.
