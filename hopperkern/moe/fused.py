@@ -96,7 +96,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     [T, H] fp32 buffer, then casts: no [T*k, H] round trip, but the add order (so the last bits) varies run to
     run, and it costs a memset and a cast launch. The default was picked on traffic estimates (the atomic
     read-modify-writes miss L2 at prefill sizes; decode saves two launches); see benchmarks/bench_moe.py.
-    config: a :class:`hopperkern.tuning.MoeConfig` to use instead of the tuning file / heuristics.
+    config: a :class:`hopperkern.tuning.MoeConfig` to use instead of the tuning file / heuristics. Its
+    ``fused_topk`` (tuned per shape) makes tiny batches (a direct plan, see :func:`hopperkern.moe.prefer_direct`)
+    sum each token's k experts inside the down GEMM: deterministic there whatever ``deterministic`` says.
 
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte
     aligned strides, so ``tma="auto"`` falls back to pointer loads for weights that are not.
