@@ -73,6 +73,42 @@ def graph_ms(fn, *, calls: int = 10, warmup: int = 10, rep: int = 40) -> float:
     return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / calls
 
 
+def rel_err(out, ref) -> float:
+    """max |out - ref| / max |ref| in fp64 (inf when out has a NaN or inf)."""
+    out, ref = out.double(), ref.double()
+    if not bool(torch.isfinite(out).all()):
+        return float("inf")
+    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: float = 2e-2):
+    """(ms, config) of the fastest candidate that runs and computes the right thing, or None.
+
+    ``run(cfg)`` launches the op with ``cfg`` (its first call compiles, outside any timing or graph capture);
+    ``timer(fn)`` returns the milliseconds of ``fn``; ``check(cfg)``, when given, returns the candidate's error
+    against a reference computed outside the kernels under test. A candidate that raises (shared memory,
+    registers, compile) or whose error is above ``tol`` (a miscompiled or mis-indexed config) is logged and
+    skipped: a tuner must never ship a fast wrong config."""
+    best = None
+    for cfg in cands:
+        try:
+            run(cfg)
+            err = check(cfg) if check is not None else 0.0
+            if not err <= tol:  # also catches NaN
+                log(f"    {what} {cfg.model_dump()} skipped: error {err:.3g} > {tol:g} against the reference")
+                continue
+            ms = timer(lambda: run(cfg))
+        except Exception as exc:  # out of shared memory / registers, compile error: skip the candidate
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            log(f"    {what} {cfg.model_dump()} skipped: {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        log(f"    {what} {cfg.model_dump()} {ms * 1e3:.1f} us")
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    return best
+
+
 def measure_ceilings() -> dict:
     """cuBLAS bf16 8192^3 rate (TFLOP/s) and device-to-device copy bandwidth (GB/s, bytes read + written),
     measured now, on random data."""

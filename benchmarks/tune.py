@@ -3,7 +3,9 @@
     python -m benchmarks.tune --out configs/ [--only lce|moe] [--budget-s 240]
 
 Entries go through the :mod:`hopperkern.tuning` models, so a file this tool writes always validates. An
-existing file for the device is merged: entries not re-tuned in this run are kept.
+existing file for the device is merged: entries not re-tuned in this run are kept. A candidate must first match
+an fp32 torch reference on the bucket's first 64 tokens (forward: the LSE; backward: d_hidden) or it is skipped
+(benchmarks.common.pick_fastest).
 """
 
 from __future__ import annotations
@@ -45,37 +47,53 @@ def tune_lce(dtype=torch.bfloat16, buckets=LCE_BUCKETS, log=print) -> dict:
     return result
 
 
-def _tune_lce_shape(H, V, dtype, buckets, result, log):
+CHECK_ROWS = 64  # tokens compared with the fp32 torch reference per bucket
+
+
+def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn=None, candidates=None):
+    from benchmarks.common import pick_fastest, rel_err
     from hopperkern.lce.launch import LceOptions, lce_backward, lce_forward
 
     opts = LceOptions()
-    w = (torch.randn(V, H, device="cuda") * 0.5).to(dtype)
+    w = (torch.randn(V, H, device=device) * 0.5).to(dtype)
     for N in buckets:
-        h = (torch.randn(N, H, device="cuda") * H**-0.5).to(dtype)
-        y = torch.randint(0, V, (N,), device="cuda")
+        h = (torch.randn(N, H, device=device) * H**-0.5).to(dtype)
+        y = torch.randint(0, V, (N,), device=device)
         _, _, ent, lse = lce_forward(h, w, y, None, opts)
-        g = torch.randn(N, device="cuda")
+        g = torch.randn(N, device=device)
+        # fp32 torch reference on the first CHECK_ROWS tokens: the LSE and d_hidden of sum(g * logprob).
+        c = min(N, CHECK_ROWS)
+        z = h[:c].float() @ w.float().T
+        ref_lse = torch.logsumexp(z, -1)
+        dz = -torch.softmax(z, -1) * g[:c, None]
+        dz[torch.arange(c, device=device), y[:c]] += g[:c]
+        ref_dh = dz @ w.float()
+        del z, dz
         for phase in ("forward", "backward"):
-            best = None
-            for cfg in LCE_CANDIDATES:
-                if phase == "forward":
-                    fn = lambda: lce_forward(h, w, y, None, opts, config=cfg)  # noqa: E731
-                else:
+            if phase == "forward":
+                def run(cfg):
+                    return lce_forward(h, w, y, None, opts, config=cfg)
+
+                def check(cfg):
+                    return rel_err(run(cfg)[3][:c], ref_lse)
+            else:
+                def run(cfg):
                     # d(logits) kernels only: the cuBLAS GEMMs after them do not depend on the config.
-                    fn = lambda: lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts,  # noqa: E731
-                                              need_weight_grad=False, need_hidden_grad=False, config=cfg)
-                try:
-                    ms = _bench(fn)
-                except Exception as exc:  # out of shared memory, compile error: skip this candidate
-                    log(f"  lce {phase} H={H} N={N} {cfg.model_dump()} failed: {type(exc).__name__}: {str(exc)[:120]}")
-                    continue
-                log(f"  lce {phase} H={H} N={N} {cfg.model_dump()} {ms:.3f} ms")
-                if best is None or ms < best[0]:
-                    best = (ms, cfg)
+                    return lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts, need_weight_grad=False,
+                                        need_hidden_grad=False, config=cfg)
+
+                def check(cfg):
+                    d_h = lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts, need_weight_grad=False,
+                                       config=cfg)[0]
+                    return rel_err(d_h[:c], ref_dh)
+            # fp32 LSE of exact bf16 products: only summation order differs (~1e-6); d_hidden is rounded to bf16.
+            best = pick_fastest(candidates or LCE_CANDIDATES, run, time_fn or _bench, log=log,
+                                what=f"lce {phase} H={H} N={N}",
+                                check=check, tol=1e-4 if phase == "forward" else 2e-2)
             if best is not None:
                 result.setdefault(tuning.lce_key(phase, dtype, H), {})[str(N)] = best[1]
                 log(f"lce {phase} H={H} N={N}: best {best[1].model_dump()} {best[0]:.3f} ms")
-        del h, y, ent, lse, g
+        del h, y, ent, lse, g, ref_lse, ref_dh
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,9 @@
 For each bucket the row block (block_m) comes from :func:`hopperkern.moe.configs.pick_block_m` plus its
 neighbours where the mean slots per expert sit near a block boundary; GEMM1 (gate/up) and GEMM2 (down, with
 its top-k reduction as fused_moe runs it) are then timed separately over a few candidates each, and the pair
-with the lowest summed time wins. Buckets up to ``GRAPH_MAX_T`` tokens are timed as CUDA-graph replays of 10
+with the lowest summed time wins. Every candidate's result is first compared with an fp32 reference of the
+whole MoE on the bucket's first 32 tokens (a gate/up candidate through a fixed down config); one off by more
+than 2 % is skipped, so a miscompiled config cannot win. Buckets up to ``GRAPH_MAX_T`` tokens are timed as CUDA-graph replays of 10
 back-to-back launches (benchmarks.common.graph_ms): their kernels run for 10-500 us, and an eager loop would
 time the host's launch overhead instead (the first tuner did; its decode picks were noise). Candidates that fail (shared memory, compile) are skipped. Results merge into
 ``configs/<DEVICE>.json`` through the hopperkern.tuning models; other entries (e.g. "lce") are kept.
@@ -68,7 +70,8 @@ def fused_candidates(block_m: int) -> list[KernelConfig]:
     """Extra down-GEMM configs for the fused top-k kernel of direct plans: it has k times fewer programs than
     the slot-parallel kernel, so each needs a deeper pipeline to keep enough bytes in flight."""
     t = [(16, 256, 4, 6), (32, 256, 4, 5), (16, 128, 4, 8), (64, 128, 4, 6)]
-    return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t]
+    return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t
+            if s * (block_m + bn) * bk * 2 + block_m * bn * 2 <= _SMEM_BUDGET]
 
 
 def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
@@ -90,59 +93,68 @@ def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
     return [bm]
 
 
-def _best(fn_of_cfg, cands, log, what, graph: bool):
+def _timer(graph: bool):
     import triton
 
     from benchmarks.common import graph_ms
 
-    best = None
-    for cfg in cands:
-        try:
-            fn = (lambda: fn_of_cfg(cfg))  # noqa: E731
-            fn()  # compile (and fail) outside any graph capture
-            ms = graph_ms(fn) if graph else triton.testing.do_bench(fn, warmup=3, rep=10)
-        except Exception as exc:  # out of shared memory / registers, compile error: skip the candidate
-            torch.cuda.synchronize()
-            log(f"    {what} {cfg.model_dump()} skipped: {type(exc).__name__}: {str(exc)[:100]}")
-            continue
-        if best is None or ms < best[0]:
-            best = (ms, cfg)
-    return best
+    return graph_ms if graph else (lambda fn: triton.testing.do_bench(fn, warmup=3, rep=10))
 
 
-def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: float = 180.0, log=print):
+CHECK_ROWS = 32  # tokens compared with the fp32 reference per bucket (rows are independent)
+
+
+def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: float = 180.0, log=print, *,
+             device="cuda", time_fn=None):
     """Sweep configs for ``shapes`` ((E, H, I, top_k) tuples) at each token count; stop starting new buckets
-    once ``time_budget_s`` is spent (those keep the heuristics). Returns ``{moe_key: {str(T): MoeConfig}}``."""
+    once ``time_budget_s`` is spent (those keep the heuristics). Returns ``{moe_key: {str(T): MoeConfig}}``.
+    ``device`` and ``time_fn`` (fn -> ms; default: graph replays / do_bench) let the CPU tests run the whole
+    loop under Triton's interpreter."""
+    from benchmarks.common import pick_fastest, rel_err
     from hopperkern import moe
+    from hopperkern.moe import reference
 
     t0 = time.time()
     result: dict = {}
     for E, H, I, top_k in shapes:  # noqa: E741
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        w13 = (torch.randn((E, 2 * I, H), generator=gen, device="cuda") * H ** -0.5).to(dtype)
-        w2 = (torch.randn((E, H, I), generator=gen, device="cuda") * I ** -0.5).to(dtype)
+        gen = torch.Generator(device=device).manual_seed(0)
+        w13 = (torch.randn((E, 2 * I, H), generator=gen, device=device) * H ** -0.5).to(dtype)
+        w2 = (torch.randn((E, H, I), generator=gen, device=device) * I ** -0.5).to(dtype)
         key = moe_key(E, H, I, dtype)
         for T in token_counts:
             if time.time() - t0 > time_budget_s:
                 log(f"tune_moe: time budget {time_budget_s:.0f} s spent; {key} T={T} keeps the heuristics")
                 continue
-            x = torch.randn((T, H), generator=gen, device="cuda").to(dtype)
-            weights, ids = moe.route(torch.randn((T, E), generator=gen, device="cuda"), top_k)
+            x = torch.randn((T, H), generator=gen, device=device).to(dtype)
+            weights, ids = moe.route(torch.randn((T, E), generator=gen, device=device), top_k)
+            c = min(T, CHECK_ROWS)
+            ref = reference.fused_moe(x[:c], w13, w2, weights[:c], ids[:c], compute_dtype=torch.float32)
             best = None
             for bm in block_m_choices(T, top_k, E):
                 make_plan = moe.direct_plan if moe.prefer_direct(T, top_k, E) else moe.moe_align  # as fused_moe
                 plan = make_plan(ids, E, bm)
-                graph = T <= GRAPH_MAX_T
-                g1 = _best(lambda c: moe.gate_up(x, w13, plan, config=c), candidates(bm, 1), log, "gemm1", graph)
+                timer = time_fn or _timer(T <= GRAPH_MAX_T)
+                probe2 = candidates(bm, 2)[0]  # finishes each gate/up candidate's output for the check
+
+                def err(out):
+                    return rel_err(out[:c], ref)
+
+                g1 = pick_fastest(candidates(bm, 1), lambda cf: moe.gate_up(x, w13, plan, config=cf), timer,
+                                  log=log, what="gemm1", check=lambda cf: err(moe.down(
+                                      moe.gate_up(x, w13, plan, config=cf), w2, weights, ids, plan, config=probe2)))
                 if g1 is None:
                     continue
                 inter = moe.gate_up(x, w13, plan, config=g1[1])
-                g2 = _best(lambda c: moe.down(inter, w2, weights, ids, plan, config=c), candidates(bm, 2), log,
-                           "gemm2", graph)
+
+                def run2(cf, fused=False):
+                    return moe.down(inter, w2, weights, ids, plan, config=cf, fused_topk=fused)
+
+                g2 = pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2",
+                                  check=lambda cf: err(run2(cf)))
                 fused = False
                 if plan.direct:  # the top-k sum inside the down GEMM: k times fewer, longer programs
-                    g2f = _best(lambda c: moe.down(inter, w2, weights, ids, plan, config=c, fused_topk=True),
-                                candidates(bm, 2) + fused_candidates(bm), log, "gemm2 fused", graph)
+                    g2f = pick_fastest(candidates(bm, 2) + fused_candidates(bm), lambda cf: run2(cf, True), timer,
+                                       log=log, what="gemm2 fused", check=lambda cf: err(run2(cf, True)))
                     if g2f is not None and (g2 is None or g2f[0] < g2[0]):
                         g2, fused = g2f, True
                 if g2 is None:

@@ -1,0 +1,140 @@
+"""The tuners' candidate selection (benchmarks.common.pick_fastest) and candidate lists, without a GPU."""
+
+import math
+
+import pytest
+
+from benchmarks.common import pick_fastest, rel_err
+from hopperkern.tuning import KernelConfig
+
+
+def _cfg(bn):
+    return KernelConfig(block_m=16, block_n=bn, block_k=32, group_m=1, num_warps=4, num_stages=2)
+
+
+def test_pick_fastest_skips_failing_and_wrong_candidates():
+    """The fastest candidate computes a wrong result and another raises: the winner is the fastest correct one,
+    and both rejects are logged with the reason."""
+    speed = {16: 3.0, 32: 1.0, 64: 2.0, 128: 0.5}
+    last = {}
+
+    def run(cfg):
+        if cfg.block_n == 128:
+            raise RuntimeError("out of resource: shared memory")
+        last["bn"] = cfg.block_n
+
+    def timer(fn):
+        fn()
+        return speed[last["bn"]]
+
+    logs = []
+    best = pick_fastest([_cfg(b) for b in (16, 32, 64, 128)], run, timer, log=logs.append, what="t",
+                        check=lambda cfg: 0.5 if cfg.block_n == 32 else 1e-3, tol=2e-2)
+    assert best == (2.0, _cfg(64))
+    assert any("skipped: error 0.5" in m and "'block_n': 32" in m for m in logs)
+    assert any("skipped: RuntimeError: out of resource" in m and "'block_n': 128" in m for m in logs)
+
+
+def test_pick_fastest_rejects_nan_and_returns_none_when_nothing_is_left():
+    best = pick_fastest([_cfg(16)], lambda cfg: None, lambda fn: 1.0, log=lambda m: None,
+                        check=lambda cfg: math.nan)
+    assert best is None
+
+
+def test_rel_err_is_inf_for_non_finite_outputs():
+    import torch
+
+    ref = torch.ones(4)
+    assert rel_err(ref * 1.01, ref) == pytest.approx(0.01)
+    assert rel_err(torch.tensor([1.0, float("nan"), 1.0, 1.0]), ref) == math.inf
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("gemm", [1, 2])
+def test_moe_candidates_fit_shared_memory_and_keep_block_m(block_m, gemm):
+    from benchmarks.tune_moe import candidates, fused_candidates
+
+    cands = candidates(block_m, gemm) + (fused_candidates(block_m) if gemm == 2 else [])
+    assert cands and all(c.block_m == block_m for c in cands)
+    ops = 2 if gemm == 1 else 1
+    for c in cands:
+        smem = c.num_stages * (c.block_m + ops * c.block_n) * c.block_k * 2
+        assert smem <= 227 * 1024, c
+
+
+def test_moe_block_m_choices_cover_the_heuristic():
+    from benchmarks.tune_moe import block_m_choices
+    from hopperkern.moe.configs import pick_block_m
+
+    for T in (1, 16, 64, 256, 1024, 4096, 16384):
+        for E, k in ((128, 8), (256, 8), (8, 2), (128, 4)):
+            choices = block_m_choices(T, k, E)
+            assert choices[0] == pick_block_m(T, k, E) and len(set(choices)) == len(choices)
+
+
+def _no_time(fn):
+    fn()
+    return 1.0
+
+
+def test_lce_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
+    """The LCE tuner's whole loop under the interpreter (tiny shape, fp32). Its torch reference (LSE, and
+    d_hidden of sum(g * logprob)) accepts the kernels' results, so both phases get an entry. A candidate that
+    raises and one whose forward result is wrong (simulated around the real launcher) are skipped."""
+    import torch
+
+    from benchmarks import tune
+    from hopperkern.lce import launch
+
+    good = KernelConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    boom = KernelConfig(block_m=16, block_n=64, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    wrong = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    real = launch.lce_forward
+
+    def forward(*args, config=None, **kw):
+        if config == boom:
+            raise RuntimeError("out of resource: shared memory")
+        out = real(*args, config=config, **kw)
+        return (*out[:3], out[3] + 0.01) if config == wrong else out
+
+    monkeypatch.setattr(launch, "lce_forward", forward)
+    logs, result = [], {}
+    tune._tune_lce_shape(64, 300, torch.float32, (40,), result, logs.append, device="cpu", time_fn=_no_time,
+                         candidates=[wrong, boom, good])
+    assert result["forward:float32:H64"]["40"] == good, logs
+    assert "backward:float32:H64" in result, logs
+    assert any("skipped: error" in m and "'block_n': 16" in m for m in logs), logs
+    assert any("skipped: RuntimeError" in m and "'block_n': 64" in m for m in logs), logs
+
+
+def test_moe_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
+    """The MoE tuner's whole loop under the interpreter (tiny shape, fp32): a direct-plan bucket (T=1, with the
+    fused top-k candidates) and a sorted one. The real kernels pass the fp32 reference check; a down-GEMM
+    candidate whose result is wrong (simulated around the real launcher) is skipped."""
+    import torch
+
+    import hopperkern.moe as moe_pkg
+    from benchmarks import tune_moe
+
+    def tiny(block_m, gemm):
+        return [KernelConfig(block_m=block_m, block_n=bn, block_k=32, group_m=1, num_warps=4, num_stages=1)
+                for bn in (16, 32)]
+
+    real_down = moe_pkg.down
+
+    def down(*args, config=None, fused_topk=False, **kw):
+        out = real_down(*args, config=config, fused_topk=fused_topk, **kw)
+        return out * 1.5 if (config.block_n == 32 and not fused_topk) else out
+
+    monkeypatch.setattr(tune_moe, "candidates", tiny)
+    monkeypatch.setattr(tune_moe, "fused_candidates", lambda bm: tiny(bm, 2)[:1])
+    monkeypatch.setattr(moe_pkg, "down", down)
+    logs = []
+    found = tune_moe.tune_moe([(4, 64, 32, 2)], (1, 8), torch.float32, log=logs.append, device="cpu",
+                              time_fn=_no_time)
+    entries = found["E4_H64_I32_float32"]
+    assert set(entries) == {"1", "8"}, logs
+    rejected = [m for m in logs if "skipped" in m]
+    assert rejected and all("gemm2 {" in m and "'block_n': 32" in m and "skipped: error" in m
+                            for m in rejected), rejected
+    assert all(e.gemm2.block_n == 16 or e.fused_topk for e in entries.values())
