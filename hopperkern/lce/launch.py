@@ -173,7 +173,9 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     V, H = weight.shape
     dev = hidden2d.device
     f32 = dict(dtype=torch.float32, device=dev)
-    loss, logprob, entropy, lse = (torch.zeros(N, **f32) for _ in range(4))
+    # The combine kernel writes every row of loss, logprob and lse (and entropy when asked for): no fills.
+    loss, logprob, lse = (torch.empty(N, **f32) for _ in range(3))
+    entropy = torch.empty(N, **f32) if need_entropy else torch.zeros(N, **f32)
     if N == 0:
         return loss, logprob, entropy, lse
     cfg = config or pick_config("forward", hidden2d.dtype, N, H)
