@@ -6,8 +6,10 @@ graph; the torch._grouped_mm MLP is captured too): there an eager loop is bound 
 (qwen3-235B at M = 256 on the H200: ~500 us of host time per eager call for ~400 us of kernels, and eager
 samples of one config spread over 418-934 us), so it would time Python, not the GPU. Larger M
 eagerly (the `timing` column says which). For M <= 64 also ``time_us_graph10``: per call in a graph of 10
-back-to-back calls (a decode step inside a model-wide graph; a single-call replay also pays a graph launch,
-~10 us at M = 1). Every provider is checked against an fp32 reference before it is timed.
+calls, each after an L2 flush (a decode step inside a model-wide graph, where each layer reads new weights; a
+single-call replay also pays a graph launch, ~10 us at M = 1). Until session 6's last commits this column
+was measured WITHOUT the flushes, so calls 2-10 could find the weights in L2: those stored figures are
+optimistic. Every provider is checked against an fp32 reference before it is timed.
 
 Models (written next to the figures):
   bytes  = distinct experts touched (counted from the ids) x (2I*H + H*I) x 2  +  x and out (2 x M*H*2)
@@ -151,7 +153,7 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
                 row.update(time_us=med * 1e3, p20_us=p20 * 1e3, p80_us=p80 * 1e3,
                            gbs=nbytes / med / 1e6, tflops=flops / med / 1e9)
                 if M <= DECODE_MAX_M:
-                    # Per call inside a graph of 10 calls: what a decode step costs inside a model-wide graph,
+                    # Per call inside a graph of 10 calls with cold L2: a decode step inside a model-wide graph,
                     # without the one graph launch that a single-call replay (time_us) also pays.
                     row["time_us_graph10"] = graph_ms(lambda: fn(*args)) * 1e3
                 row["pct_copy_bw"] = 100 * row["gbs"] / ceil["copy_gbs"] if M <= 256 else None

@@ -59,18 +59,37 @@ def time_graph(fn, *, reps: int = 50):
     return time_cuda(capture_graph(fn, warmup=3).replay, warmup=3, reps=reps)
 
 
-def graph_ms(fn, *, calls: int = 10, warmup: int = 10, rep: int = 40) -> float:
-    """Median GPU milliseconds of ONE call of ``fn``: a CUDA graph of ``calls`` back-to-back calls, replayed by
-    triton.testing.do_bench, divided by ``calls``. For launches of a few to a few hundred microseconds, where an
-    eager loop measures the host's launch overhead instead of the kernels (tuners, decode sizes)."""
+_FLUSH: dict = {}
+
+
+def graph_ms(fn, *, calls: int = 10, warmup: int = 10, rep: int = 40, flush: bool = True) -> float:
+    """Median GPU milliseconds of ONE call of ``fn`` with a cold L2: a CUDA graph of ``calls`` x (overwrite a
+    256 MiB buffer, ``fn()``), replayed by triton.testing.do_bench, minus the same graph without ``fn``, divided
+    by ``calls``. For launches of a few to a few hundred microseconds, where an eager loop measures the host's
+    launch overhead instead of the kernels (tuners, decode sizes). Without the flush, calls 2..n would find
+    the weights of call 1 in L2 (DeepSeek-V3's 8 experts of w2 are 29 MB, the H200's L2 is 50 MB): a warm
+    number that decode, where every layer reads new weights, never sees. ``flush=False`` keeps them warm."""
     import triton
 
-    def many():
+    dev = torch.cuda.current_device()
+    if flush and dev not in _FLUSH:
+        _FLUSH[dev] = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    buf = _FLUSH.get(dev)
+
+    def many(with_fn=True):
         for _ in range(calls):
-            fn()  # outputs are dropped at once, so the graph's pool reuses one set of buffers
+            if flush:
+                buf.zero_()
+            if with_fn:
+                fn()  # outputs are dropped at once, so the graph's pool reuses one set of buffers
 
     g = capture_graph(many, warmup=1)
-    return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / calls
+    total = triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
+    if not flush:
+        return total / calls
+    base = capture_graph(lambda: many(False), warmup=1)
+    return max(total - triton.testing.do_bench(base.replay, warmup=warmup, rep=rep, return_mode="median"),
+               0.0) / calls
 
 
 def rel_err(out, ref) -> float:

@@ -4,8 +4,8 @@
 
 Entries go through the :mod:`hopperkern.tuning` models, so a file this tool writes always validates. An
 existing file for the device is merged: entries not re-tuned in this run are kept. A candidate must first match
-an fp32 torch reference on the bucket's first 64 tokens (forward: the LSE; backward: d_hidden) or it is skipped
-(benchmarks.common.pick_fastest).
+an fp32 torch reference on 64 tokens spread over the batch (forward: the LSE; backward: d_hidden) or it is
+skipped (benchmarks.common.pick_fastest).
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
         y = torch.randint(0, V, (N,), device=device)
         _, _, ent, lse = lce_forward(h, w, y, None, opts)
         g = torch.randn(N, device=device)
-        # fp32 torch reference on the first CHECK_ROWS tokens: the LSE and d_hidden of sum(g * logprob).
-        c = min(N, CHECK_ROWS)
-        z = h[:c].float() @ w.float().T
+        # fp32 torch reference on CHECK_ROWS tokens spread over every row block: the LSE and d_hidden of
+        # sum(g * logprob), i.e. (g * (onehot(y) - softmax(z))) @ w.
+        sel = torch.linspace(0, N - 1, min(N, CHECK_ROWS), device=device).long()
+        z = h[sel].float() @ w.float().T
         ref_lse = torch.logsumexp(z, -1)
-        dz = -torch.softmax(z, -1) * g[:c, None]
-        dz[torch.arange(c, device=device), y[:c]] += g[:c]
+        dz = -torch.softmax(z, -1) * g[sel, None]
+        dz[torch.arange(len(sel), device=device), y[sel]] += g[sel]
         ref_dh = dz @ w.float()
         del z, dz
         for phase in ("forward", "backward"):
@@ -75,7 +76,7 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
                     return lce_forward(h, w, y, None, opts, config=cfg)
 
                 def check(cfg):
-                    return rel_err(run(cfg)[3][:c], ref_lse)
+                    return rel_err(run(cfg)[3][sel], ref_lse)
             else:
                 def run(cfg):
                     # d(logits) kernels only: the cuBLAS GEMMs after them do not depend on the config.
@@ -85,7 +86,7 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
                 def check(cfg):
                     d_h = lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts, need_weight_grad=False,
                                        config=cfg)[0]
-                    return rel_err(d_h[:c], ref_dh)
+                    return rel_err(d_h[sel], ref_dh)
             # fp32 LSE of exact bf16 products: only summation order differs (~1e-6); d_hidden is rounded to bf16.
             best = pick_fastest(candidates or LCE_CANDIDATES, run, time_fn or _bench, log=log,
                                 what=f"lce {phase} H={H} N={N}",

@@ -193,7 +193,8 @@ def test_backward_uses_fp32_accumulating_cublas_and_stays_in_memory_budget():
     from hopperkern.lce import launch
 
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 11):
-        assert tma.torch_mm_out_dtype(DEV), "torch >= 2.11 has addmm(out_dtype=fp32) on CUDA"
+        for dt in (torch.bfloat16, torch.float16):
+            assert tma.torch_mm_out_dtype(DEV, dt), f"torch >= 2.11 has addmm(out_dtype=fp32) for {dt} on CUDA"
     N, V, H = 8192, 128256, 1024
     inp = make_inputs((N, V, H), dtype=torch.bfloat16, device=DEV)
     h = inp.hidden.detach().requires_grad_()

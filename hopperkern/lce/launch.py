@@ -223,7 +223,7 @@ def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b with fp32 accumulation and no low-precision partial sum."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif acc.is_cuda and _tma.torch_mm_out_dtype(acc.device):
+    elif acc.is_cuda and _tma.torch_mm_out_dtype(acc.device, a.dtype):
         # cuBLAS: bf16/fp16 inputs, fp32 accumulate and fp32 C, beta = 1.
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:

@@ -172,7 +172,7 @@ def _down_kernel(
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS + ["num_rows", "num_tokens"])
+@triton.jit(do_not_specialize=["E", "top_k", "num_rows", "num_tokens"])
 def _down_direct_kernel(
     y_ptr,            # [T*top_k*BLOCK_M, I] intermediate rows of a DIRECT plan: slot s in row s*BLOCK_M
     w_ptr,            # [E, H, I] w2

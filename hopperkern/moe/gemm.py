@@ -168,7 +168,7 @@ def _down_direct(inter, w2, topk_weights, topk_ids, plan, config, d, out_dtype):
     grid = (min(T * triton.cdiv(H, bn), progs),)
     with _tma.launch_context(inter, "moe.down"):
         _down_direct_kernel[grid](
-            inter, w2, out, topk_weights, topk_ids.reshape(-1),
+            inter, w2, out, topk_weights, plan.direct_ids,
             E, H, I, plan.max_rows, T, k,
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(0),
             topk_weights.stride(1), out.stride(0), out.stride(1),

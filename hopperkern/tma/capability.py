@@ -195,26 +195,43 @@ def launch_context(t, op: str):
     ])
 
 
-def torch_mm_out_dtype(device=None) -> bool:
-    """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` works for bf16 ``a``, ``b`` and an fp32
-    ``c`` on ``device`` (cuBLAS: fp32 accumulation written to an fp32 C). Probed once per device with 2 x 2
-    tensors at first use (never at import), never raises. A meta-tensor probe is not enough: torch 2.11 has
-    the CUDA kernel but no meta kernel for this overload, and taking that for "unsupported" sent the LCE
-    backward to an fp32-copy fallback 4x slower (measured on the H200 in session 6)."""
+def torch_mm_out_dtype(device=None, dtype=None) -> bool:
+    """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` works for ``a``, ``b`` of ``dtype``
+    (default bf16) and an fp32 ``c`` on ``device`` (cuBLAS: fp32 accumulation written to an fp32 C).
+
+    Probed once per (device, dtype) with 2 x 2 tensors at first use (never at import), never raises. A
+    meta-tensor probe is not enough: torch 2.11 has the CUDA kernel but no meta kernel for this overload, and
+    taking that for "unsupported" sent the LCE backward to an fp32-copy fallback 4x slower (measured on the
+    H200 in session 6). While the current stream is being captured into a CUDA graph the probe cannot run
+    (it synchronises): the answer then comes from the operator's registered overloads and is not cached."""
     import torch
 
-    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device()) \
-        if torch.cuda.is_available() else torch.device("cpu")
-    return _probe_mm_out_dtype(str(dev))
+    dtype = dtype or torch.bfloat16
+    if device is not None:
+        dev = torch.device(device)
+    elif torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (str(dev), dtype)
+    if key not in _MM_OUT_DTYPE:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return hasattr(torch.ops.aten.addmm, "dtype_out")
+        _MM_OUT_DTYPE[key] = _probe_mm_out_dtype(dev, dtype)
+    return _MM_OUT_DTYPE[key]
 
 
-@functools.lru_cache(maxsize=None)
-def _probe_mm_out_dtype(device: str) -> bool:
+_MM_OUT_DTYPE: dict = {}
+
+
+def _probe_mm_out_dtype(device, dtype) -> bool:
     try:
         import torch
 
         c = torch.zeros(2, 2, device=device)
-        a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        a = torch.ones(2, 2, device=device, dtype=dtype)
         out = torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
         return out.dtype == torch.float32 and bool((out == 2).all())
     except Exception:
