@@ -11,6 +11,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def dot_precision(dtype) -> str:
+    """``input_precision`` of the kernels' ``tl.dot``: fp32 inputs get true fp32 products ("ieee", not tf32);
+    16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def _names(dtypes) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import tma as _tma
-from ._validate import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype
+from ._validate import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype, dot_precision
 from .tma.jit import grouped_tile, load_2d, store_2d, tile_source_2d
 
 __all__ = ["matmul"]
@@ -76,7 +76,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, tma: str = "auto", block_m: int 
             a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
             A_TMA=d["a"], B_TMA=d["b"], C_TMA=d["c"],
-            DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            DOT_PRECISION=dot_precision(a.dtype),
             num_warps=num_warps, num_stages=num_stages,
         )
     return c

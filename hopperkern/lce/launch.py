@@ -21,7 +21,16 @@ import triton
 
 from .. import tma as _tma
 from .. import tuning as _tuning
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_float, check_same_device, check_same_dtype
+from .._validate import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_choice,
+    check_dtype,
+    check_float,
+    check_same_device,
+    check_same_dtype,
+    dot_precision,
+)
 from ..tuning import KernelConfig
 from ._kernels import (
     lce_combine_kernel,
@@ -90,8 +99,8 @@ def validate_inputs(hidden, weight, labels, bias, *, ignore_index, label_smoothi
     check_float("temperature", temperature, low=0.0, low_open=True)
     if softcap is not None:
         check_float("softcap", softcap, low=0.0, low_open=True)
-    if reduction is not None and reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"reduction must be one of ('none', 'mean', 'sum'), got {reduction!r}")
+    if reduction is not None:
+        check_choice("reduction", reduction, ("none", "mean", "sum"))
     _tma.resolve_mode(tma)  # ValueError for an unknown mode, before any launch
 
 
@@ -157,10 +166,6 @@ def _sm_count(device) -> int:
     return cap.sm_count
 
 
-def _dot_precision(dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
                 *, need_entropy: bool = True, config: KernelConfig | None = None):
     """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N].
@@ -202,7 +207,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
         softcap, opts.inv_temp,
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
         HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
-        FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=_dot_precision(hidden2d.dtype),
+        FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     lce_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
@@ -245,6 +250,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
+    if opts.softcap and zlab is None:
+        raise ValueError("zlab must be given when softcap is set")
     if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
         d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
         d_w = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
@@ -260,8 +267,6 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
                                "weight": (weight, (cfg.block_n, cfg.block_k)),
                                "dlogits": (dbuf, (cfg.block_m, cfg.block_n))}, op="lce.backward")
     acc_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
-    if opts.softcap and zlab is None:
-        raise ValueError("zlab must be given when softcap is set")
     grads = [g if g is not None else lse for g in (g_loss, g_logprob, g_entropy, g_lse)]
     flags = dict(HAS_GL=g_loss is not None, HAS_GP=g_logprob is not None, HAS_GE=g_entropy is not None,
                  HAS_GZ=g_lse is not None)
@@ -278,7 +283,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
             BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
             HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), **flags, NUM_PROGRAMS=progs, FLATTEN=cfg.flatten,
-            H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=_dot_precision(dt),
+            H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=dot_precision(dt),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         lce_onehot_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](

@@ -17,6 +17,7 @@ import torch
 import triton
 
 from .. import tma as _tma
+from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
 from .align import AlignPlan
@@ -25,11 +26,6 @@ from .configs import num_programs
 __all__ = ["ACTIVATIONS", "down", "gate_up", "topk_sum"]
 
 ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
-
-
-def _dot_precision(dtype) -> str:
-    # fp32 inputs get true fp32 products ("ieee"), not tf32; 16-bit inputs ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _slots(plan: AlignPlan) -> torch.Tensor:
@@ -62,8 +58,7 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     does not refuse it.
     """
     _check_plan(plan, config, "gate_up")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    check_choice("activation", activation, tuple(ACTIVATIONS))
     E, two_i, H = w13.shape
     I = two_i // 2  # noqa: E741 - MoE intermediate size
     _check_shape("gate_up", "hidden", hidden, (plan.num_slots // max(plan.top_k, 1), H))
@@ -86,7 +81,7 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
             E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
             hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, ACT=ACTIVATIONS[activation],
-            W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=_dot_precision(hidden.dtype), DIRECT=plan.direct,
+            W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=dot_precision(hidden.dtype), DIRECT=plan.direct,
             NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
@@ -148,7 +143,7 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(0),
             topk_weights.stride(1), buf.stride(0), buf.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, Y_TMA=d["inter"], W_TMA=d["w2"],
-            ATOMIC=not deterministic, DOT_PRECISION=_dot_precision(inter.dtype), DIRECT=plan.direct,
+            ATOMIC=not deterministic, DOT_PRECISION=dot_precision(inter.dtype), DIRECT=plan.direct,
             NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     if deterministic:
@@ -174,7 +169,7 @@ def _down_direct(inter, w2, topk_weights, topk_ids, plan, config, d, out_dtype):
             topk_weights.stride(1), out.stride(0), out.stride(1),
             BLOCK_M=config.block_m, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             TOP_K_P=triton.next_power_of_2(k), Y_TMA=d["inter"], W_TMA=d["w2"],
-            DOT_PRECISION=_dot_precision(inter.dtype), NUM_PROGRAMS=progs, FLATTEN=config.flatten,
+            DOT_PRECISION=dot_precision(inter.dtype), NUM_PROGRAMS=progs, FLATTEN=config.flatten,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out

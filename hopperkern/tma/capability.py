@@ -153,7 +153,6 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
         reasons.append("the device is not a CUDA device")
     if interpreter:
         # The interpreter runs both memory paths on the CPU, so CI can test the TMA path.
-        name = name if name else None
         tma = descriptors
     else:
         if not cuda:
@@ -207,14 +206,8 @@ def torch_mm_out_dtype(device=None, dtype=None) -> bool:
     import torch
 
     dtype = dtype or torch.bfloat16
-    if device is not None:
-        dev = torch.device(device)
-    elif torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    index = device_key(device)
+    dev = torch.device("cuda", index) if index is not None else torch.device(device or "cpu")
     key = (str(dev), dtype)
     if key not in _MM_OUT_DTYPE:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
