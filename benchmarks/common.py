@@ -54,11 +54,6 @@ def capture_graph(fn, *, warmup: int = 2):
     return g
 
 
-def time_graph(fn, *, reps: int = 50):
-    """(median, p20, p80) ms of CUDA-graph replays of ``fn`` (for launch-bound decode sizes)."""
-    return time_cuda(capture_graph(fn, warmup=3).replay, warmup=3, reps=reps)
-
-
 _FLUSH: dict = {}
 
 

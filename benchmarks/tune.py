@@ -97,6 +97,27 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
         del h, y, ent, lse, g, ref_lse, ref_dh
 
 
+def merge_into_file(path: Path, *, lce: dict | None = None, moe: dict | None = None,
+                    tuner: str = "python -m benchmarks.tune"):
+    """Merge tuned entries (``{key: {bucket: config}}`` for the LCE and MoE sections) into the tuning file at
+    ``path`` (created if missing), keeping every other entry, stamping device, Triton version, time and
+    tuner, and validating through the :mod:`hopperkern.tuning` models before writing. Returns the config."""
+    import triton
+
+    from hopperkern.tma import capability
+
+    data = (tuning.load_config(path) if path.is_file() else tuning.TuningConfig()).model_dump()
+    for section, found in (("lce", lce), ("moe", moe)):
+        for key, buckets in (found or {}).items():
+            data[section].setdefault(key, {}).update({b: c.model_dump() for b, c in buckets.items()})
+    data.update(device_name=capability().device_name or data["device_name"], triton_version=triton.__version__,
+                tuned_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tuner=tuner)
+    out = tuning.TuningConfig.model_validate(data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out.save(path)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("configs"))
@@ -106,34 +127,17 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune: needs a CUDA GPU")
         return 1
-    import triton
-
     from hopperkern.tma import capability
 
-    cap = capability()
-    path = args.out / f"{cap.config_name}.json"
-    cfg = tuning.load_config(path) if path.is_file() else tuning.TuningConfig()
-    data = cfg.model_dump()
+    path = args.out / f"{capability().config_name}.json"
     t0 = time.time()
-    if args.only in (None, "lce"):
-        lce = tune_lce()
-        for k, v in lce.items():
-            data["lce"].setdefault(k, {}).update({b: c.model_dump() for b, c in v.items()})
+    lce = tune_lce() if args.only in (None, "lce") else None
+    moe = None
     if args.only in (None, "moe"):
-        try:
-            from benchmarks.tune_moe import tune_moe_default
-        except ImportError as exc:
-            print(f"tune: MoE tuner unavailable ({exc})")
-        else:
-            moe = tune_moe_default(time_budget_s=args.budget_s)
-            for k, v in moe.items():
-                data["moe"].setdefault(k, {}).update({b: c.model_dump() for b, c in v.items()})
-    data.update(device_name=cap.device_name, triton_version=triton.__version__,
-                tuned_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                tuner="python -m benchmarks.tune")
-    out = tuning.TuningConfig.model_validate(data)
-    args.out.mkdir(parents=True, exist_ok=True)
-    out.save(path)
+        from benchmarks.tune_moe import tune_moe_default
+
+        moe = tune_moe_default(time_budget_s=args.budget_s)
+    merge_into_file(path, lce=lce, moe=moe)
     print(f"tune: wrote {path} in {time.time() - t0:.0f} s")
     return 0
 

@@ -21,7 +21,6 @@ through the hopperkern.tuning models; other entries (e.g. "lce") are kept.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,12 @@ def _k(bm, bn, bk, warps, stages, group, flatten=False):
                         flatten=flatten)
 
 
+def _fits(cfg: KernelConfig, gemm: int) -> bool:
+    from hopperkern.moe.configs import smem_bytes
+
+    return smem_bytes(cfg, 2, 2 if gemm == 1 else 1) <= _SMEM_BUDGET  # bf16; gate/up reads two weight tiles
+
+
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
     """6-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
 
@@ -51,10 +56,8 @@ def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
     if block_m <= 32:
         t = [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
              (64, 256, 4, 3), (128, 128, 4, 3)]
-        ops = 2 if gemm == 1 else 1  # weight tiles per K step
-        return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t
-                if s * (block_m + ops * bn) * bk * 2 + block_m * bn * 2 <= _SMEM_BUDGET
-                and not (gemm == 1 and block_m == 32 and bk == 256)]  # two 32-row accumulators + 256-wide K: spills
+        return [c for c in (_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t)
+                if _fits(c, gemm) and not (gemm == 1 and block_m == 32 and c.block_k == 256)]  # spills (ptxas)
     if block_m == 64:
         t = ([(64, 64, 4, 4, 0), (64, 128, 4, 3, 0), (128, 64, 8, 3, 0), (64, 64, 4, 5, 0), (64, 64, 4, 4, 1),
               (128, 64, 8, 3, 1)]
@@ -74,8 +77,7 @@ def fused_candidates(block_m: int) -> list[KernelConfig]:
     """Extra down-GEMM configs for the fused top-k kernel of direct plans: it has k times fewer programs than
     the slot-parallel kernel, so each needs a deeper pipeline to keep enough bytes in flight."""
     t = [(16, 256, 4, 6), (32, 256, 4, 5), (16, 128, 4, 8), (64, 128, 4, 6)]
-    return [_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t
-            if s * (block_m + bn) * bk * 2 + block_m * bn * 2 <= _SMEM_BUDGET]
+    return [c for c in (_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t) if _fits(c, 2)]
 
 
 def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
@@ -184,26 +186,6 @@ def tune_moe_default(time_budget_s: float = 180.0, log=print) -> dict:
     return tune_moe(shapes, BUCKETS, torch.bfloat16, time_budget_s, log)
 
 
-def merge_into_file(path: Path, found: dict) -> "object":
-    """Merge ``found`` into the tuning file at ``path`` (created if missing), keeping every other entry."""
-    import triton
-
-    from hopperkern import tuning
-    from hopperkern.tma import capability
-
-    cfg = tuning.load_config(path) if path.is_file() else tuning.TuningConfig()
-    data = cfg.model_dump()
-    for key, buckets in found.items():
-        data["moe"].setdefault(key, {}).update({b: c.model_dump() for b, c in buckets.items()})
-    data.update(device_name=capability().device_name or data["device_name"], triton_version=triton.__version__,
-                tuned_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                tuner="python -m benchmarks.tune_moe")
-    out = tuning.TuningConfig.model_validate(data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out.save(path)
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("configs"), help="folder of <DEVICE>.json")
@@ -214,13 +196,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune_moe: needs a CUDA GPU")
         return 1
+    from benchmarks.tune import merge_into_file
     from hopperkern.tma import capability
 
     t0 = time.time()
     shapes = [(SHAPES[n][0], SHAPES[n][2], SHAPES[n][3], SHAPES[n][1]) for n in args.shapes]
     found = tune_moe(shapes, tuple(args.tokens), torch.bfloat16, args.budget_s)
     path = args.out / f"{capability().config_name}.json"
-    merge_into_file(path, found)
+    merge_into_file(path, moe=found, tuner="python -m benchmarks.tune_moe")
     n = sum(len(v) for v in found.values())
     print(f"tune_moe: wrote {n} entries for {len(found)} shapes to {path} in {time.time() - t0:.0f} s")
     return 0

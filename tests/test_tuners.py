@@ -138,3 +138,21 @@ def test_moe_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
     assert rejected and all("gemm2 {" in m and "'block_n': 32" in m and "skipped: error" in m
                             for m in rejected), rejected
     assert all(e.gemm2.block_n == 16 or e.fused_topk for e in entries.values())
+
+
+def test_merge_into_file_keeps_other_entries(tmp_path):
+    """The one writer of tuning files (both tuners): new buckets merge into the existing file, every other
+    entry and section is kept, and the result validates."""
+    from benchmarks.tune import merge_into_file
+    from hopperkern import tuning
+    from hopperkern.tuning import MoeConfig
+
+    path = tmp_path / "GPU.json"
+    k = KernelConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=3)
+    merge_into_file(path, lce={"forward:bfloat16:H64": {"2048": k}})
+    merge_into_file(path, moe={"E4_H64_I32_bfloat16": {"1": MoeConfig(gemm1=k, gemm2=k, fused_topk=True)}},
+                    tuner="python -m benchmarks.tune_moe")
+    merge_into_file(path, lce={"forward:bfloat16:H64": {"16384": k}})
+    cfg = tuning.load_config(path)
+    assert set(cfg.lce["forward:bfloat16:H64"]) == {"2048", "16384"}
+    assert cfg.moe["E4_H64_I32_bfloat16"]["1"].fused_topk

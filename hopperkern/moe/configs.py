@@ -16,7 +16,7 @@ from ..tuning import KernelConfig, MoeConfig, load_config, moe_key
 from .align import max_blocks_for
 
 __all__ = ["INTERPRETER_CONFIG", "heuristic_config", "moe_launch_config", "num_programs", "pick_block_m",
-           "programs_per_sm"]
+           "programs_per_sm", "smem_bytes"]
 
 INTERPRETER_CONFIG = MoeConfig(
     gemm1=KernelConfig(block_m=16, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1),
@@ -54,19 +54,25 @@ def _narrow_n(N: int, blocks: int, sms: int, widest: int) -> int:
     return bn
 
 
+def smem_bytes(config: KernelConfig, elem_size: int, b_operands: int) -> int:
+    """Shared memory of one program of a grouped GEMM: ``num_stages`` buffers of the A tile and ``b_operands``
+    weight tiles (2 for gate/up) plus one epilogue tile (the TMA store's staging)."""
+    stage = (config.block_m + b_operands * config.block_n) * config.block_k * elem_size
+    return config.num_stages * stage + config.block_m * config.block_n * elem_size
+
+
 def programs_per_sm(config: KernelConfig, elem_size: int, b_operands: int) -> int:
     """Programs of one persistent grouped GEMM that stay resident on an SM together, estimated on the high
     side of shared memory and registers so the estimate errs low: a program that does not fit waits for a
     whole resident program (all its tiles) to finish, which doubles the kernel, while one program too few
     only loses some latency hiding.
 
-    Shared memory: num_stages buffers of the A tile and ``b_operands`` weight tiles (2 for gate/up) plus one
-    epilogue tile (the TMA store's staging). Registers: the fp32 accumulators and one K step of the operands
+    Shared memory: :func:`smem_bytes` plus 1 KiB reserved per resident block. Registers: the fp32 accumulators and one K step of the operands
     spread over the threads, plus 160 for addresses, the pipeline and the epilogue, capped at 255. Checked
     against ptxas for every heuristic and tuner config by ``python -m benchmarks.compile_moe_sm90``."""
     threads = 32 * config.num_warps
     stage = (config.block_m + b_operands * config.block_n) * config.block_k * elem_size
-    smem = config.num_stages * stage + config.block_m * config.block_n * elem_size + 1024
+    smem = smem_bytes(config, elem_size, b_operands) + 1024
     acc_regs = b_operands * config.block_m * config.block_n // threads  # one accumulator per weight operand
     operand_regs = stage // (4 * threads)  # one K step of the operands, as mma_v2 (block_m < 64) holds them
     regs = -(-min(255, acc_regs + operand_regs + 160) // 8) * 8  # allocated 8 per thread at a time
