@@ -80,14 +80,16 @@ def _gate_up_kernel(
     x_ptr,            # [T, H] hidden (any strides), fp16/bf16/fp32
     w_ptr,            # [E, 2*I, H] w13: rows 0..I-1 gate, I..2I-1 up
     y_ptr,            # [max_blocks*BLOCK_M, I] out, hidden dtype: act(gate) * up per sorted row
+    pg_ptr, pu_ptr,   # SAVE_PRE: [num_rows, I] views (row stride stride_pm) out: gate / up pre-activations
     slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots (sentinel num_slots in padding); DIRECT: ids
     block_expert_ptr, # [max_blocks] int32 (unused when DIRECT)
     num_blocks_ptr,   # [1] int32 live blocks (unused when DIRECT)
     E, H, I, num_rows, num_slots, top_k, max_blocks,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ym,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ym, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, W_TMA: tl.constexpr, Y_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    SAVE_PRE: tl.constexpr = False, PG_TMA: tl.constexpr = False, PU_TMA: tl.constexpr = False,
 ):
     """GEMM1: y[r, n] = act(x[tok(r)] . w13[e, n]) * (x[tok(r)] . w13[e, I + n]), M = sorted rows, N = I,
     K = H. Persistent grid (<= NUM_PROGRAMS,); one tile = one row block x BLOCK_N columns of BOTH the gate and
@@ -95,9 +97,16 @@ def _gate_up_kernel(
     pid, pid + NUM_PROGRAMS, ... (a grid smaller than NUM_PROGRAMS means at most one tile each).
 
     Token rows are gathered by index (pointer loads; TMA gather is sm_100 only). Padding rows gather nothing
-    (masked to zero) and store act(0) * 0 = 0."""
+    (masked to zero) and store act(0) * 0 = 0.
+
+    SAVE_PRE (training): also store the gate and up pre-activations, rounded once to hidden's dtype, for the
+    backward's activation gradient (:mod:`hopperkern.moe._backward_kernels`); padding rows store zeros."""
     w_src = tile_source_3d(w_ptr, E, 2 * I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
     y_dst = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_N, Y_TMA)
+    if SAVE_PRE:
+        tl.static_assert(not DIRECT, "saving pre-activations needs a sorted plan (the backward walks its segments)")
+        g_dst = tile_source_2d(pg_ptr, num_rows, I, stride_pm, BLOCK_M, BLOCK_N, PG_TMA)
+        u_dst = tile_source_2d(pu_ptr, num_rows, I, stride_pm, BLOCK_M, BLOCK_N, PU_TMA)
     num_m = _row_blocks(num_blocks_ptr, max_blocks, DIRECT)
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
@@ -120,14 +129,19 @@ def _gate_up_kernel(
         y = _activation(acc_g, ACT) * acc_u
         store_2d(y_dst, y.to(y_ptr.dtype.element_ty), pid_m * BLOCK_M, n0, num_rows, I, stride_ym, 1,
                  BLOCK_M, BLOCK_N, Y_TMA)
+        if SAVE_PRE:
+            store_2d(g_dst, acc_g.to(pg_ptr.dtype.element_ty), pid_m * BLOCK_M, n0, num_rows, I, stride_pm, 1,
+                     BLOCK_M, BLOCK_N, PG_TMA)
+            store_2d(u_dst, acc_u.to(pu_ptr.dtype.element_ty), pid_m * BLOCK_M, n0, num_rows, I, stride_pm, 1,
+                     BLOCK_M, BLOCK_N, PU_TMA)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _down_kernel(
     y_ptr,            # [max_blocks*BLOCK_M, I] sorted intermediate rows (unit inner stride)
-    w_ptr,            # [E, H, I] w2
+    w_ptr,            # [E, H, I] w2 (B_KN: [E, I, H], e.g. w13 for the backward's d_hidden with I = 2*I_moe)
     out_ptr,          # ATOMIC: [T, H] fp32, zero-filled; else [T*top_k, H] one row per slot
-    tw_ptr,           # [T, top_k] routing weights, any float dtype and strides
+    tw_ptr,           # [T, top_k] routing weights, any float dtype and strides (read only with SCALE)
     slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots; DIRECT: [T*top_k] flattened ids
     block_expert_ptr, # [max_blocks] int32 (unused when DIRECT)
     num_blocks_ptr,   # [1] int32 (unused when DIRECT)
@@ -136,16 +150,24 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     Y_TMA: tl.constexpr, W_TMA: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    B_KN: tl.constexpr = False, SCALE: tl.constexpr = True,
 ):
     """GEMM2: z[r, n] = weight(slot(r)) * (y[r] . w2[e, n]), M = sorted rows, N = H, K = I. Persistent
     grid (<= NUM_PROGRAMS,) as in :func:`_gate_up_kernel`; one tile = one row block x BLOCK_N output columns.
+
+    The backward's d_hidden is the same GEMM on other operands: B_KN reads the weights as [E, K, N] (w13
+    [E, 2I, H] against d(gate, up) rows [*, 2I]; ``stride_wi`` is then the K stride, ``stride_wh`` the N
+    stride) and SCALE=False leaves out the routed weight.
 
     The sorted rows are contiguous, so they load with 2-D TMA. ATOMIC: fp32 atomic adds into out[token]
     (the top-k reduction happens here; the order of the adds varies run to run). Otherwise each slot's row
     is stored once into out[slot] and :func:`_topk_sum_kernel` adds the k rows in a fixed order (a DIRECT plan
     can instead sum inside :func:`_down_direct_kernel`)."""
     y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
-    w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
+    if B_KN:
+        w_src = tile_source_3d(w_ptr, E, I, H, stride_we, stride_wi, BLOCK_K, BLOCK_N, W_TMA)
+    else:
+        w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
     num_m = _row_blocks(num_blocks_ptr, max_blocks, DIRECT)
     num_n = tl.cdiv(H, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
@@ -157,11 +179,16 @@ def _down_kernel(
         for kk in range(0, k_steps):
             k0 = kk * BLOCK_K
             a = load_2d(y_src, pid_m * BLOCK_M, k0, num_rows, I, stride_ym, 1, BLOCK_M, BLOCK_K, Y_TMA)
-            b = load_3d(w_src, e, n0, k0, H, I, stride_we, stride_wh, stride_wi, BLOCK_N, BLOCK_K, W_TMA)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        wt = tl.load(tw_ptr + tok.to(tl.int64) * stride_twt + (slot - tok * top_k) * stride_twk, mask=live,
-                     other=0.0)
-        acc = acc * wt.to(tl.float32)[:, None]
+            if B_KN:
+                b = load_3d(w_src, e, k0, n0, I, H, stride_we, stride_wi, stride_wh, BLOCK_K, BLOCK_N, W_TMA)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            else:
+                b = load_3d(w_src, e, n0, k0, H, I, stride_we, stride_wh, stride_wi, BLOCK_N, BLOCK_K, W_TMA)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        if SCALE:
+            wt = tl.load(tw_ptr + tok.to(tl.int64) * stride_twt + (slot - tok * top_k) * stride_twk, mask=live,
+                         other=0.0)
+            acc = acc * wt.to(tl.float32)[:, None]
         cols = n0 + tl.arange(0, BLOCK_N)
         mask = live[:, None] & (cols[None, :] < H)
         if ATOMIC:

@@ -23,7 +23,7 @@ from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_k
 from .align import AlignPlan
 from .configs import num_programs
 
-__all__ = ["ACTIVATIONS", "down", "gate_up", "topk_sum"]
+__all__ = ["ACTIVATIONS", "down", "gate_up", "slot_gemm_sum", "topk_sum"]
 
 ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
@@ -47,7 +47,8 @@ def _check_plan(plan: AlignPlan, config: KernelConfig, what: str) -> None:
 
 
 def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config: KernelConfig,
-            activation: str = "silu", tma: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+            activation: str = "silu", tma: str = "auto", out: torch.Tensor | None = None,
+            pre_out: torch.Tensor | None = None) -> torch.Tensor:
     """GEMM1 of fused_moe over the sorted rows of ``plan``.
 
     hidden [T, H]; w13 [E, 2*I, H]. Returns ``y`` [plan.max_rows, I] in hidden's dtype where, for each live
@@ -56,6 +57,10 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     the live blocks are not written. ``out`` (optional) is a preallocated ``y`` with unit inner stride.
     An empty problem (no row blocks, or I == 0) returns ``out`` before the TMA decision, so ``tma="always"``
     does not refuse it.
+
+    ``pre_out`` (training; sorted plans only): a [plan.max_rows, 2*I] buffer (unit inner stride) that also
+    receives the gate (columns 0..I-1) and up (I..2I-1) pre-activations of every live row block, rounded once
+    to its dtype; the backward (:mod:`hopperkern.moe.backward`) reads them instead of recomputing.
     """
     _check_plan(plan, config, "gate_up")
     check_choice("activation", activation, tuple(ACTIVATIONS))
@@ -70,19 +75,34 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     _check_shape("gate_up", "out", out, (plan.max_rows, I))
     if out.stride(-1) != 1:
         raise ValueError(f"gate_up: out must have unit inner stride, got strides {tuple(out.stride())}")
+    save = pre_out is not None
+    if save:
+        if plan.direct:
+            raise ValueError("gate_up: pre_out needs a sorted plan (moe_align), got a direct plan")
+        _check_shape("gate_up", "pre_out", pre_out, (plan.max_rows, 2 * I))
+        if pre_out.stride(-1) != 1 or pre_out.dtype != hidden.dtype:
+            raise ValueError(f"gate_up: pre_out must have unit inner stride and hidden's dtype, got strides "
+                             f"{tuple(pre_out.stride())} and {pre_out.dtype}")
     if plan.max_blocks == 0 or I == 0:
         return out  # nothing to launch; before decide(): "always" would refuse the zero-size operands
-    d = _tma.decide(tma, {"w13": (w13, (1, bn, bk)), "inter": (out, (bm, bn))}, op="moe.gemm1")
+    operands = {"w13": (w13, (1, bn, bk)), "inter": (out, (bm, bn))}
+    if save:
+        operands.update(pre_gate=(pre_out[:, :I], (bm, bn)), pre_up=(pre_out[:, I:], (bm, bn)))
+    d = _tma.decide(tma, operands, op="moe.gemm1")
+    pg, pu = (pre_out[:, :I], pre_out[:, I:]) if save else (out, out)
     progs = num_programs(config, hidden.element_size(), 2, hidden.device)
     grid = (min(plan.max_blocks * triton.cdiv(I, bn), progs),)
     with _tma.launch_context(hidden, "moe.gate_up"):
         _gate_up_kernel[grid](
-            hidden, w13, out, _slots(plan), plan.block_expert, plan.num_blocks,
+            hidden, w13, out, pg, pu, _slots(plan), plan.block_expert, plan.num_blocks,
             E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
             hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
+            pg.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, ACT=ACTIVATIONS[activation],
             W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=dot_precision(hidden.dtype), DIRECT=plan.direct,
-            NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
+            NUM_PROGRAMS=progs, FLATTEN=config.flatten, SAVE_PRE=save,
+            PG_TMA=save and d["pre_gate"], PU_TMA=save and d["pre_up"],
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
 
@@ -130,21 +150,41 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
     d = _tma.decide(tma, {"inter": (inter, (bm, bk)), "w2": (w2, (1, bn, bk))}, op="moe.gemm2")
     if plan.direct and fused_topk:
         return _down_direct(inter, w2, topk_weights, topk_ids, plan, config, d, out_dtype)
+    return slot_gemm_sum(inter, w2, topk_weights, topk_ids, plan, config, d["inter"], d["w2"], deterministic,
+                         out_dtype, "moe.down")
+
+
+def slot_gemm_sum(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor | None, topk_ids: torch.Tensor,
+                  plan: AlignPlan, config: KernelConfig, a_tma: bool, w_tma: bool, deterministic: bool, out_dtype,
+                  what: str, *, w_kn: bool = False) -> torch.Tensor:
+    """``out[t] = sum_j scale(t, j) * a[row(t, j)] @ W[e]`` over live slots: the down GEMM of the forward
+    (``w`` = w2 [E, N, K], W[e] = w2[e]^T, scale = the routed weight) and the d_hidden GEMM of the backward
+    (``w_kn``: ``w`` = w13 [E, K, N] used as is, ``topk_weights=None``: no scale). The top-k reduction is
+    deterministic (per-slot rows, then :func:`topk_sum`) or fp32 atomics; see :func:`down`. TMA flags are
+    decided by the caller."""
+    E = w.shape[0]
+    n_out, k_dim = (w.shape[2], w.shape[1]) if w_kn else (w.shape[1], w.shape[2])
+    T, k = topk_ids.shape
+    dev = a.device
     if deterministic:
-        buf = torch.empty((T * k, H), dtype=out_dtype, device=dev)
+        buf = torch.empty((T * k, n_out), dtype=out_dtype, device=dev)
     else:
-        buf = torch.zeros((T, H), dtype=torch.float32, device=dev)
-    progs = num_programs(config, inter.element_size(), 1, dev)
-    grid = (min(plan.max_blocks * triton.cdiv(H, bn), progs),)
-    with _tma.launch_context(inter, "moe.down"):
+        buf = torch.zeros((T, n_out), dtype=torch.float32, device=dev)
+    progs = num_programs(config, a.element_size(), 1, dev)
+    grid = (min(plan.max_blocks * triton.cdiv(n_out, config.block_n), progs),)
+    # _down_kernel's names: N stride "stride_wh", K stride "stride_wi".
+    w_n_stride, w_k_stride = (w.stride(2), w.stride(1)) if w_kn else (w.stride(1), w.stride(2))
+    tw = topk_weights if topk_weights is not None else a
+    tw_strides = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    with _tma.launch_context(a, what):
         _down_kernel[grid](
-            inter, w2, buf, topk_weights, _slots(plan), plan.block_expert, plan.num_blocks,
-            E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
-            inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(0),
-            topk_weights.stride(1), buf.stride(0), buf.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, Y_TMA=d["inter"], W_TMA=d["w2"],
-            ATOMIC=not deterministic, DOT_PRECISION=dot_precision(inter.dtype), DIRECT=plan.direct,
-            NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
+            a, w, buf, tw, _slots(plan), plan.block_expert, plan.num_blocks,
+            E, n_out, k_dim, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
+            a.stride(0), w.stride(0), w_n_stride, w_k_stride, *tw_strides, buf.stride(0), buf.stride(1),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+            Y_TMA=a_tma, W_TMA=w_tma, ATOMIC=not deterministic, DOT_PRECISION=dot_precision(a.dtype),
+            DIRECT=plan.direct, NUM_PROGRAMS=progs, FLATTEN=config.flatten, B_KN=w_kn,
+            SCALE=topk_weights is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     if deterministic:
         return topk_sum(buf, topk_ids, E, out_dtype=out_dtype)
