@@ -1,7 +1,8 @@
-"""``fused_moe``: the MoE MLP of routed tokens, built from align -> gate/up GEMM -> down GEMM + top-k reduce.
+"""``fused_moe``: the MoE MLP of routed tokens, built from align -> gate/up GEMM -> down GEMM + top-k reduce,
+differentiable with respect to hidden, w13, w2 and topk_weights (backward: :mod:`hopperkern.moe.backward`).
 
-Forward only (inference): there is no backward yet, so inputs that require grad are refused while autograd is
-recording (:class:`hopperkern.tma.UnsupportedError`) rather than returning a result cut off from the graph."""
+Validation happens here; the launches run inside the ``hopperkern::moe_forward`` / ``moe_backward`` custom
+ops (:mod:`hopperkern.moe.ops`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from .. import tma as _tma
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
 from .._validate import check_same_dtype
 from ..tuning import MoeConfig
-from .align import direct_plan, moe_align, prefer_direct
-from .configs import moe_launch_config
-from .gemm import ACTIVATIONS, down, gate_up
+from .gemm import ACTIVATIONS
+from .ops import SAVE_NONE, SAVE_PLAN, SAVE_PRE, config_to_list, moe_forward_op
 
 __all__ = ["fused_moe", "check_expert_ids"]
 
@@ -64,18 +64,10 @@ def _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma):
     return T, H, E, I
 
 
-def _check_no_grad(hidden, w13, w2, topk_weights) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, w13, w2, topk_weights)):
-        raise _tma.UnsupportedError("fused_moe", [
-            "backward is not implemented yet: fused_moe is forward-only (inference); call it under "
-            "torch.no_grad() or detach its inputs"])
-
-
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu", tma: str = "auto", check_ids: bool = True,
-              deterministic: bool = True, config: MoeConfig | None = None) -> torch.Tensor:
-    """Mixture-of-Experts MLP of routed tokens, forward only. Equivalent plain PyTorch (see
-    :mod:`hopperkern.moe.reference`)::
+              deterministic: bool = True, config: MoeConfig | None = None, recompute: bool = False) -> torch.Tensor:
+    """Mixture-of-Experts MLP of routed tokens. Equivalent plain PyTorch (see :mod:`hopperkern.moe.reference`)::
 
         out = zeros(T, H)
         for t, j:  e = topk_ids[t, j]; skip if e == -1
@@ -87,38 +79,42 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     topk_ids [T, k] int32/int64 in [-1, E), -1 dropping that slot (expert parallel). Returns [T, H] in
     hidden's dtype. The intermediate act(gate) * up is stored once, in hidden's dtype, in expert-sorted order.
 
+    Differentiable with respect to hidden, w13, w2 and topk_weights (so the router logits get their gradient
+    through :func:`hopperkern.moe.route`). Gradients come in their input's dtype, each formed from fp32 sums and
+    rounded once: d_w13 and d_w2 are summed over each expert's tokens in fp32 and written once (exact zeros for
+    an expert without tokens); d_hidden sums a token's k slots in a fixed order (bitwise reproducible unless
+    ``deterministic=False``); dropped slots get no gradient. When autograd records (an input requires grad and
+    grad mode is on) the forward keeps the alignment plan and, unless ``recompute``, the gate/up
+    pre-activations and the intermediate rows ([rows, 3I] in hidden's dtype, rows ~ T*k) for the backward;
+    ``recompute=True`` keeps only the plan and recomputes them in the backward (2/3 more FLOPs in its first
+    GEMM). Under ``torch.no_grad()`` / inference mode nothing is kept.
+
     activation: "silu" or "gelu_tanh" (tanh approximation). tma: "auto" | "always" | "never" (per operand,
-    see :func:`hopperkern.tma.decide`; decisions are recorded as "moe.gemm1" and "moe.gemm2").
+    see :func:`hopperkern.tma.decide`; decisions are recorded as "moe.gemm1" and "moe.gemm2", and for the
+    backward "moe.backward.dgate_up", "moe.backward.d_hidden", "moe.backward.d_w13", "moe.backward.d_w2").
     check_ids: validate the ids on the host first (one device->host sync). Pass False when ids are known valid
-    and for CUDA-graph capture; invalid ids then drop their slots silently.
+    and for CUDA-graph capture; invalid ids then drop their slots silently. Nothing else synchronises, forward
+    or backward.
     deterministic: True (default) stores each slot's weighted row once (hidden's dtype) and sums the k rows
     of a token in a fixed order, in fp32: bitwise reproducible. False adds the rows with fp32 atomics into a
     [T, H] fp32 buffer, then casts: no [T*k, H] round trip, but the add order (so the last bits) varies run to
-    run, and it costs a memset and a cast launch. The default was picked on traffic estimates (the atomic
-    read-modify-writes miss L2 at prefill sizes; decode saves two launches); see benchmarks/bench_moe.py.
+    run, and it costs a memset and a cast launch. The same holds for d_hidden in the backward.
     config: a :class:`hopperkern.tuning.MoeConfig` to use instead of the tuning file / heuristics. Its
     ``fused_topk`` (tuned per shape) makes tiny batches (a direct plan, see :func:`hopperkern.moe.prefer_direct`)
     sum each token's k experts inside the down GEMM: deterministic there whatever ``deterministic`` says.
+    When autograd records, the forward always uses a sorted plan (the backward walks expert segments).
 
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte
     aligned strides, so ``tma="auto"`` falls back to pointer loads for weights that are not.
-
-    Forward only (inference): no backward is implemented yet, so when autograd is recording and any of hidden,
-    w13, w2, topk_weights requires grad this raises :class:`hopperkern.tma.UnsupportedError` before any launch
-    (call it under ``torch.no_grad()`` / ``torch.inference_mode()`` or pass detached tensors).
     """
     T, H, E, I = _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma)
-    _check_no_grad(hidden, w13, w2, topk_weights)
+    if config is not None and not isinstance(config, MoeConfig):
+        raise TypeError(f"config must be a hopperkern.tuning.MoeConfig or None, got {type(config).__name__}")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, w13, w2, topk_weights))
     k = topk_ids.shape[1]
-    if T == 0 or k == 0 or H == 0 or I == 0:
+    if not grad and (T == 0 or k == 0 or H == 0 or I == 0):
         return torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
-    if check_ids:
-        check_expert_ids(topk_ids, E)
-    if config is None:
-        config, _ = moe_launch_config(E, H, I, hidden.dtype, T, k, hidden.device)
-    make_plan = direct_plan if prefer_direct(T, k, E) else moe_align
-    with _tma.launch_context(hidden, "moe.fused_moe"):
-        plan = make_plan(topk_ids, E, config.gemm1.block_m)
-        inter = gate_up(hidden, w13, plan, config=config.gemm1, activation=activation, tma=tma)
-        return down(inter, w2, topk_weights, topk_ids, plan, config=config.gemm2, tma=tma,
-                    deterministic=deterministic, out_dtype=hidden.dtype, fused_topk=config.fused_topk)
+    save = (SAVE_PLAN if recompute else SAVE_PRE) if grad else SAVE_NONE
+    out = moe_forward_op(hidden, w13, w2, topk_weights, topk_ids, activation, tma, bool(check_ids),
+                         bool(deterministic), config_to_list(config), save)[0]
+    return out

@@ -1,0 +1,180 @@
+"""torch.library custom ops of fused_moe (forward and backward) with fake implementations and autograd.
+
+Custom ops keep ``torch.compile(fullgraph=True)`` working: dynamo sees two opaque ops with known output
+shapes instead of Triton launches, tuning-file lookups and host-side checks.
+
+``hopperkern::moe_forward`` returns the output and, when autograd will need them (``save`` > 0), the tensors
+the backward reads: the alignment plan and (``save`` == 1) the gate/up pre-activations and intermediate rows
+in expert-sorted order. Their row count depends on the routing only through worst-case bounds computed from
+shapes and the launch config, which the fake implementation cannot see: it declares them as dynamic sizes.
+Without autograd (``torch.no_grad()``, inference mode, inputs that need no grad) nothing is saved and the
+forward is the inference path (direct plans for tiny batches, fused top-k).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..tma import launch_context
+from ..tuning import KernelConfig, MoeConfig
+from .align import AlignPlan, direct_plan, moe_align, prefer_direct
+from .backward import moe_backward
+from .configs import moe_launch_config
+from .gemm import down, gate_up
+
+__all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "config_from_list", "config_to_list", "moe_backward_op",
+           "moe_forward_op"]
+
+SAVE_NONE, SAVE_PRE, SAVE_PLAN = 0, 1, 2  # save: nothing / plan + pre-activations + rows / plan only (recompute)
+
+_KC_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten")
+
+
+def config_to_list(config: MoeConfig | None) -> list[int] | None:
+    """A MoeConfig as the flat int list a custom op can take (None stays None)."""
+    if config is None:
+        return None
+    return [int(getattr(g, f)) for g in (config.gemm1, config.gemm2) for f in _KC_FIELDS] + [int(config.fused_topk)]
+
+
+def config_from_list(values) -> MoeConfig:
+    n = len(_KC_FIELDS)
+    g1, g2 = (dict(zip(_KC_FIELDS, values[i * n:(i + 1) * n])) for i in range(2))
+    for g in (g1, g2):
+        g["flatten"] = bool(g["flatten"])
+    return MoeConfig(gemm1=KernelConfig(**g1), gemm2=KernelConfig(**g2), fused_topk=bool(values[2 * n]))
+
+
+def _config(hidden, w13, w2, topk_ids, config) -> MoeConfig:
+    if config is not None:
+        return config_from_list(config)
+    E, H, I = w2.shape  # noqa: E741
+    return moe_launch_config(E, H, I, hidden.dtype, hidden.shape[0], topk_ids.shape[1], hidden.device)[0]
+
+
+def _empty(hidden, *shape, dtype=None):
+    return hidden.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("hopperkern::moe_forward", mutates_args=())
+def moe_forward_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str,
+                   tma: str, check: bool, deterministic: bool, config: Optional[list[int]],
+                   save: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out [T, H], pre [rows, 2I], inter [rows, I], sorted_slots [rows], block_expert [blocks],
+    expert_offsets [E + 1], num_blocks [1]); everything after ``out`` is empty unless ``save`` asks for it."""
+    from .fused import check_expert_ids
+
+    T, H = hidden.shape
+    E, two_i, _ = w13.shape
+    I, k = two_i // 2, topk_ids.shape[1]  # noqa: E741
+    i32 = dict(dtype=torch.int32)
+    with launch_context(hidden, "moe.fused_moe"):
+        if check and T * k:
+            check_expert_ids(topk_ids, E)
+        cfg = _config(hidden, w13, w2, topk_ids, config)
+        if save == SAVE_NONE and prefer_direct(T, k, E):
+            plan = direct_plan(topk_ids, E, cfg.gemm1.block_m)
+        else:
+            plan = moe_align(topk_ids, E, cfg.gemm1.block_m)
+        pre = hidden.new_empty((plan.max_rows, 2 * I)) if save == SAVE_PRE else None
+        if T * k == 0 or H == 0 or I == 0:
+            out = torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
+            inter = hidden.new_zeros((plan.max_rows, I))
+        else:
+            inter = gate_up(hidden, w13, plan, config=cfg.gemm1, activation=activation, tma=tma, pre_out=pre)
+            out = down(inter, w2, topk_weights, topk_ids, plan, config=cfg.gemm2, tma=tma,
+                       deterministic=deterministic, out_dtype=hidden.dtype, fused_topk=cfg.fused_topk)
+    if save == SAVE_NONE:
+        return (out, _empty(hidden, 0, 2 * I), _empty(hidden, 0, I), _empty(hidden, 0, **i32),
+                _empty(hidden, 0, **i32), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32))
+    if save == SAVE_PLAN:
+        pre, inter = _empty(hidden, 0, 2 * I), _empty(hidden, 0, I)
+    return out, pre, inter, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.num_blocks
+
+
+@moe_forward_op.register_fake
+def _(hidden, w13, w2, topk_weights, topk_ids, activation, tma, check, deterministic, config, save):
+    T, H = hidden.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2  # noqa: E741
+    i32 = dict(dtype=torch.int32)
+    out = hidden.new_empty((T, H))
+    if save == SAVE_NONE:
+        return (out, _empty(hidden, 0, 2 * I), _empty(hidden, 0, I), _empty(hidden, 0, **i32),
+                _empty(hidden, 0, **i32), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32))
+    ctx = torch.library.get_ctx()
+    rows, blocks = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    kept = rows if save == SAVE_PRE else 0
+    return (out, _empty(hidden, kept, 2 * I), _empty(hidden, kept, I), _empty(hidden, rows, **i32),
+            _empty(hidden, blocks, **i32), _empty(hidden, E + 1, **i32), _empty(hidden, 1, **i32))
+
+
+def _plan(sorted_slots, block_expert, expert_offsets, num_blocks, T, k, E) -> AlignPlan:
+    max_blocks = block_expert.numel()
+    block_m = sorted_slots.numel() // max(max_blocks, 1) if max_blocks else 16
+    return AlignPlan(sorted_slots=sorted_slots, block_expert=block_expert, expert_offsets=expert_offsets,
+                     expert_counts=expert_offsets[:0], num_blocks=num_blocks, block_m=block_m, max_blocks=max_blocks,
+                     num_slots=T * k, top_k=k, num_experts=E)
+
+
+@torch.library.custom_op("hopperkern::moe_backward", mutates_args=())
+def moe_backward_op(d_out: Tensor, hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                    pre: Tensor, inter: Tensor, sorted_slots: Tensor, block_expert: Tensor, expert_offsets: Tensor,
+                    num_blocks: Tensor, activation: str, tma: str, deterministic: bool, config: Optional[list[int]],
+                    needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(d_hidden, d_w13, d_w2, d_topk_weights); a gradient that ``needs`` does not ask for is an empty tensor."""
+    T, k = topk_ids.shape
+    E = w13.shape[0]
+    plan = _plan(sorted_slots, block_expert, expert_offsets, num_blocks, T, k, E)
+    cfg = _config(hidden, w13, w2, topk_ids, config)
+    if cfg.gemm1.block_m != plan.block_m and plan.max_blocks:
+        # The tuning file changed between forward and backward: keep the plan's block_m, heuristic tiles.
+        from .configs import heuristic_config
+
+        cfg = heuristic_config(E, hidden.shape[1], w2.shape[2], T, k)
+        cfg = MoeConfig(gemm1=cfg.gemm1.model_copy(update={"block_m": plan.block_m}),
+                        gemm2=cfg.gemm2.model_copy(update={"block_m": plan.block_m}))
+    saved = pre.shape[0] > 0 or plan.max_blocks == 0
+    d_out = d_out.to(hidden.dtype)
+    with launch_context(hidden, "moe.fused_moe backward"):
+        grads = moe_backward(d_out, hidden, w13, w2, topk_weights, topk_ids, plan, config=cfg,
+                             pre=pre if saved else None, inter=inter if saved else None, activation=activation,
+                             tma=tma, deterministic=deterministic, need_hidden=needs[0], need_w13=needs[1],
+                             need_w2=needs[2], need_topk_weights=needs[3])
+    # Custom-op outputs must not alias each other: one fresh empty tensor per missing gradient.
+    return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
+
+
+@moe_backward_op.register_fake
+def _(d_out, hidden, w13, w2, topk_weights, topk_ids, pre, inter, sorted_slots, block_expert, expert_offsets,
+      num_blocks, activation, tma, deterministic, config, needs):
+    return tuple(t.new_empty(t.shape) if need else hidden.new_empty((0,))
+                 for t, need in zip((hidden, w13, w2, topk_weights), needs))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, w13, w2, topk_weights, topk_ids, activation, tma, _, deterministic, config, save = inputs
+    _, pre, inter, sorted_slots, block_expert, expert_offsets, num_blocks = output
+    ctx.save_for_backward(hidden, w13, w2, topk_weights, topk_ids, pre, inter, sorted_slots, block_expert,
+                          expert_offsets, num_blocks)
+    ctx.opts = (activation, tma, deterministic, config)
+    ctx.save_mode = save
+
+
+def _backward(ctx, d_out, *_unused):
+    needs = [bool(ctx.needs_input_grad[i]) for i in range(4)]
+    if not any(needs):
+        return (None,) * 11
+    if ctx.save_mode == SAVE_NONE:
+        raise RuntimeError("hopperkern::moe_forward ran with save=0, so nothing was kept for the backward; call "
+                           "fused_moe, which keeps what the backward needs whenever an input requires grad")
+    saved = ctx.saved_tensors
+    activation, tma, deterministic, config = ctx.opts
+    grads = moe_backward_op(d_out, *saved, activation, tma, deterministic, config, needs)
+    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * 7
+
+
+torch.library.register_autograd("hopperkern::moe_forward", _backward, setup_context=_setup_context)
