@@ -2,7 +2,8 @@
 print registers, spills, shared memory and the estimated resident programs per SM against the real ones.
 
 For every config of the heuristics and of the tuner's candidate list on the PERF.md shapes, both TMA flags,
-flatten on and off, sorted and direct plans. Catches what the interpreter cannot: lowering and pipeliner
+flatten on and off, sorted and direct plans; and the training path (forward saving pre-activations, the
+backward's dY, d_hidden and weight-gradient GEMMs) on the training shapes. Catches what the interpreter cannot: lowering and pipeliner
 failures, shared memory over 227 KiB, register spills, and a programs-per-SM estimate above what fits.
 
     env -u TRITON_INTERPRET python -m benchmarks.compile_moe_sm90 [--quick] [--jobs 16]
@@ -66,6 +67,7 @@ def compile_one(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from hopperkern.moe import _backward_kernels as B
     from hopperkern.moe import _gemm_kernels as K
     from hopperkern.moe.configs import programs_per_sm
     from hopperkern.tuning import KernelConfig
@@ -76,10 +78,35 @@ def compile_one(job):
                   W_TMA=w_tma, Y_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
     if gemm == 1:
         fn = K._gate_up_kernel
-        vals = dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", slots_ptr="i32", block_expert_ptr="i32",
-                    num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096, top_k=8, max_blocks=64,
-                    stride_xt=H, stride_xh=1, stride_we=2 * I * H, stride_wn=H, stride_wh=1, stride_ym=I)
-        const = dict(common, ACT=K.ACT_SILU, DIRECT=direct)
+        vals = dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", pg_ptr="bf16", pu_ptr="bf16", slots_ptr="i32",
+                    block_expert_ptr="i32", num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096,
+                    top_k=8, max_blocks=64, stride_xt=H, stride_xh=1, stride_we=2 * I * H, stride_wn=H, stride_wh=1,
+                    stride_ym=I, stride_pm=2 * I)
+        save = direct == "save"  # training forward: also stores the pre-activations
+        const = dict(common, ACT=K.ACT_SILU, DIRECT=bool(direct) and not save, SAVE_PRE=save, PG_TMA=save and y_tma,
+                     PU_TMA=save and y_tma)
+    elif gemm == "dgate_up":
+        fn, recompute = B._dgate_up_kernel, direct == "recompute"
+        vals = dict(dout_ptr="bf16", w2_ptr="bf16", x_ptr="bf16", w13_ptr="bf16", pg_ptr="bf16", pu_ptr="bf16",
+                    y_ptr="bf16", dg_ptr="bf16", du_ptr="bf16", part_ptr="fp32", tw_ptr="fp32", slots_ptr="i32",
+                    block_expert_ptr="i32", num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096,
+                    top_k=8, max_blocks=64, stride_dt=H, stride_dh=1, stride_w2e=H * I, stride_w2h=I, stride_w2i=1,
+                    stride_xt=H, stride_xh=1, stride_w13e=2 * I * H, stride_w13n=H, stride_w13h=1, stride_pm=2 * I,
+                    stride_ym=I, stride_gm=2 * I, stride_twt=8, stride_twk=1)
+        const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                     ACT=K.ACT_SILU, RECOMPUTE=recompute, W2_TMA=w_tma, W13_TMA=w_tma and recompute,
+                     PG_TMA=y_tma and not recompute, PU_TMA=y_tma and not recompute, Y_TMA=y_tma and recompute,
+                     DG_TMA=y_tma, DU_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
+    elif gemm in ("d_w13", "d_w2"):
+        fn, w13 = B._expert_wgrad_kernel, gemm == "d_w13"
+        M, N = (2 * I, H) if w13 else (H, I)
+        vals = dict(a_ptr="bf16", b_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", slots_ptr="i32", offsets_ptr="i32",
+                    E=E, M=M, N=N, num_rows=4096, num_slots=4096, top_k=8, stride_a0=M if w13 else H, stride_a1=1,
+                    stride_b0=H if w13 else N, stride_b1=1, stride_oe=M * N, stride_om=N, stride_on=1, stride_twt=8,
+                    stride_twk=1)
+        const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                     A_GATHER=not w13, B_GATHER=w13, SCALE_A=not w13, A_TMA=w13 and y_tma, B_TMA=y_tma and not w13,
+                     DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
     elif direct == "fused":  # a DIRECT plan's down GEMM with the top-k sum inside
         fn = K._down_direct_kernel
         vals = dict(y_ptr="bf16", w_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", ids_ptr="i32", E=E, H=H, I=I,
@@ -88,11 +115,13 @@ def compile_one(job):
         const = dict(common, TOP_K_P=8)
     else:
         fn = K._down_kernel
+        b_kn = direct == "b_kn"  # the backward's d_hidden GEMM: w13 [E, 2I, H] as [E, K, N], no routed weight
+        K_dim = 2 * I if b_kn else I
         vals = dict(y_ptr="bf16", w_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", slots_ptr="i32",
-                    block_expert_ptr="i32", num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096,
-                    top_k=8, max_blocks=64, stride_ym=I, stride_we=H * I, stride_wh=I, stride_wi=1, stride_twt=8,
-                    stride_twk=1, stride_om=H, stride_on=1)
-        const = dict(common, ATOMIC=False, DIRECT=bool(direct))
+                    block_expert_ptr="i32", num_blocks_ptr="i32", E=E, H=H, I=K_dim, num_rows=4096, num_slots=4096,
+                    top_k=8, max_blocks=64, stride_ym=K_dim, stride_we=H * K_dim, stride_wh=1 if b_kn else K_dim,
+                    stride_wi=H if b_kn else 1, stride_twt=8, stride_twk=1, stride_om=H, stride_on=1)
+        const = dict(common, ATOMIC=False, DIRECT=bool(direct) and not b_kn, B_KN=b_kn, SCALE=not b_kn)
     sig, const, attrs = _signature(fn, vals, const)
     row = dict(gemm=gemm, E=E, H=H, I=I, cfg=cfg, w_tma=w_tma, y_tma=y_tma, direct=direct)
     try:
@@ -104,7 +133,7 @@ def compile_one(job):
         regs_alloc = -(-regs * 32 // 256) * 256 * cfg.num_warps  # registers are allocated per warp, 256 at a time
         fits = min((228 * 1024) // (shared + 1024), 65536 // regs_alloc, 2048 // threads, 32)
         row.update(ok=True, regs=regs, spills=spills, shared=shared, fits=fits,
-                   est=programs_per_sm(cfg, 2, 2 if gemm == 1 else 1))
+                   est=programs_per_sm(cfg, 2, 2 if gemm == 1 else 1) if gemm in (1, 2) else 0)
     except Exception as exc:  # noqa: BLE001 - report every failure, keep going
         row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     return row
@@ -127,7 +156,7 @@ def jobs(quick: bool):
                 for gemm in (1, 2):
                     for c in candidates(bm, gemm) + (fused_candidates(bm) if gemm == 2 and bm == 16 else []):
                         cfgs.setdefault((gemm, E, H, I), {})[tuple(sorted(c.model_dump().items()))] = c
-    out = []
+    out = backward_jobs()
     for (gemm, E, H, I), cs in cfgs.items():  # noqa: E741
         for c in cs.values():
             d = c.model_dump()
@@ -141,6 +170,34 @@ def jobs(quick: bool):
                         if gemm == 2:
                             out.append((gemm, E, H, I, d, tma, tma, flatten, "fused"))
     return out
+
+
+def backward_jobs():
+    """The training path's kernels on the training shapes at T = 4096 and 16384: the forward's gate/up GEMM
+    saving pre-activations, the dY GEMM (saved and recomputed), the d_hidden GEMM and both weight-gradient
+    GEMMs, with the configs the backward derives from the heuristic forward configs."""
+    import torch
+
+    from benchmarks.bench_moe_train import SHAPES as TRAIN
+    from hopperkern.moe.backward import backward_configs
+    from hopperkern.moe.configs import heuristic_config
+
+    out = []
+    for E, k, H, I in TRAIN.values():  # noqa: E741
+        for T in (4096, 16384):
+            h = heuristic_config(E, H, I, T, k)
+            for recompute in (False, True):
+                c1, c2, cw = backward_configs(h, torch.bfloat16, recompute)
+                for tma in (False, True):
+                    mode = "recompute" if recompute else "saved"
+                    out.append(("dgate_up", E, H, I, c1.model_dump(), tma, tma, c1.flatten, mode))
+                    if recompute:
+                        continue
+                    out.append((1, E, H, I, h.gemm1.model_dump(), tma, tma, h.gemm1.flatten, "save"))
+                    out.append((2, E, H, I, c2.model_dump(), tma, tma, c2.flatten, "b_kn"))
+                    for g in ("d_w13", "d_w2"):
+                        out.append((g, E, H, I, cw.model_dump(), tma, tma, cw.flatten, False))
+    return list({repr(j): j for j in out}.values())
 
 
 def main(argv=None) -> int:
