@@ -9,14 +9,16 @@ Pipeline (each piece public, documented in its module):
   alignment at all for tiny batches (one slot per row block).
 - :func:`gate_up` / :func:`down` / :func:`topk_sum` (``gemm``): the grouped GEMMs (3-D TMA weights, gathered
   token rows, fused act(gate) * up, routed-weight multiply and top-k reduction).
-- :func:`fused_moe` (``fused``): all of the above with validation and launch configs (``configs``).
-
-Everything here is forward only (inference): there is no backward yet, and :func:`fused_moe` raises
-:class:`hopperkern.tma.UnsupportedError` when autograd is recording and an input requires grad.
+- :func:`moe_backward` (``backward``): the gradients of hidden, w13, w2 and topk_weights on the same plan
+  (dY GEMM with the activation backward fused, d_hidden, per-expert weight-gradient GEMMs); no host sync.
+- :func:`fused_moe` (``fused``): all of the above with validation and launch configs (``configs``), through
+  the ``hopperkern::moe_forward`` / ``hopperkern::moe_backward`` custom ops (``ops``): differentiable, and
+  traceable by ``torch.compile(fullgraph=True)``.
 - :mod:`hopperkern.moe.reference`: plain-PyTorch reference with the same signature.
 """
 
 from .align import AlignPlan, direct_plan, max_blocks_for, moe_align, prefer_direct
+from .backward import moe_backward
 from .configs import heuristic_config, moe_launch_config
 from .fused import check_expert_ids, fused_moe
 from .gemm import ACTIVATIONS, down, gate_up, topk_sum
@@ -34,6 +36,7 @@ __all__ = [
     "heuristic_config",
     "max_blocks_for",
     "moe_align",
+    "moe_backward",
     "moe_launch_config",
     "prefer_direct",
     "route",
