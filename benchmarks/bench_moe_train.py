@@ -222,14 +222,14 @@ def main(argv=None) -> int:
     kinds = args.routings or (["uniform"] if args.quick else list(ROUTINGS))
     provs = providers()
     rows = []
+    tag = meta["device"].replace(" ", "_")
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         E, k, H, I = SHAPES[name]  # noqa: E741
         for T in tokens:
             for kind in kinds:
                 rows += run_point(name, E, k, H, I, T, kind, provs, ceil, meta, print)
-    tag = meta["device"].replace(" ", "_")
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / f"moe_train_{tag}.csv", rows)
+                write_csv(args.out / f"moe_train_{tag}.csv", rows)  # after every point: a cut-off run keeps them
     plot(rows, args.out / f"moe_train_{tag}.png", meta)
     table(rows)
     print(f"bench_moe_train: {len(rows)} rows in {time.time() - t0:.0f} s -> {args.out}/moe_train_{tag}.csv")
