@@ -94,7 +94,8 @@ def compile_one(job):
                     stride_xt=H, stride_xh=1, stride_w13e=2 * I * H, stride_w13n=H, stride_w13h=1, stride_pm=2 * I,
                     stride_ym=I, stride_gm=2 * I, stride_twt=8, stride_twk=1)
         const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                     ACT=K.ACT_SILU, RECOMPUTE=recompute, W2_TMA=w_tma, W13_TMA=w_tma and recompute,
+                     ACT=K.ACT_SILU, RECOMPUTE=recompute, HALVES=1 if recompute else 2, W2_TMA=w_tma,
+                     W13_TMA=w_tma and recompute,
                      PG_TMA=y_tma and not recompute, PU_TMA=y_tma and not recompute, Y_TMA=y_tma and recompute,
                      DG_TMA=y_tma, DU_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
     elif gemm in ("d_w13", "d_w2"):
@@ -106,7 +107,7 @@ def compile_one(job):
                     stride_twk=1)
         const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                      A_GATHER=not w13, B_GATHER=w13, SCALE_A=not w13, A_TMA=w13 and y_tma, B_TMA=y_tma and not w13,
-                     DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
+                     O_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
     elif direct == "fused":  # a DIRECT plan's down GEMM with the top-k sum inside
         fn = K._down_direct_kernel
         vals = dict(y_ptr="bf16", w_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", ids_ptr="i32", E=E, H=H, I=I,
@@ -213,7 +214,8 @@ def main(argv=None) -> int:
     with ProcessPoolExecutor(args.jobs) as pool:
         for r in pool.map(compile_one, todo):
             c = r["cfg"]
-            what = (f"gemm{r['gemm']} E{r['E']} H{r['H']} I{r['I']} bm{c.block_m} bn{c.block_n} bk{c.block_k} "
+            label = f"gemm{r['gemm']}" if isinstance(r["gemm"], int) else r["gemm"]
+            what = (f"{label} E{r['E']} H{r['H']} I{r['I']} bm{c.block_m} bn{c.block_n} bk{c.block_k} "
                     f"w{c.num_warps} s{c.num_stages} flat={int(c.flatten)} tma={int(r['w_tma'])} "
                     f"direct={r['direct']}")
             if not r["ok"]:

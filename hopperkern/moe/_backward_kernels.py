@@ -19,7 +19,7 @@ Each kernel has ONE body for both memory paths (``*_TMA`` constexprs, :mod:`hopp
 import triton
 import triton.language as tl
 
-from ..tma.jit import grouped_tile, load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
+from ..tma.jit import grouped_tile, load_2d, load_3d, load_rows, store_2d, store_3d, tile_source_2d, tile_source_3d
 from ._gemm_kernels import _RUNTIME_INTS, _block_slots, _sigmoid
 
 
@@ -37,6 +37,15 @@ def _activation_and_grad(g, ACT: tl.constexpr):
     return g * s, d
 
 
+@triton.jit
+def _dgate_up_epilogue(acc, g, u, wt, ACT: tl.constexpr):
+    """From dY (``acc``), g, u (fp32 tiles) and the rows' routed weights: (dG, dU, y, per-row <dY, y>)."""
+    a, da = _activation_and_grad(g, ACT)
+    y = a * u
+    dy = acc * wt[:, None]
+    return dy * u * da, dy * a, y, tl.sum(acc * y, 1)
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _dgate_up_kernel(
     dout_ptr,         # [T, H] upstream gradient, hidden's dtype, any strides
@@ -46,7 +55,7 @@ def _dgate_up_kernel(
     pg_ptr, pu_ptr,   # not RECOMPUTE: [num_rows, I] views (row stride stride_pm): saved gate / up pre-activations
     y_ptr,            # RECOMPUTE: [num_rows, I] out: act(gate) * up per sorted row (for d_w2)
     dg_ptr, du_ptr,   # [num_rows, I] views (row stride stride_gm) out: d gate, d up (hidden's dtype)
-    part_ptr,         # [cdiv(I, BLOCK_N), num_rows] fp32 out: <dY, y> over one column tile per sorted row
+    part_ptr,         # [cdiv(I, HALVES*BLOCK_N), num_rows] fp32 out: <dY, y> over one column tile per sorted row
     tw_ptr,           # [T, top_k] routing weights, any float dtype and strides
     slots_ptr,        # [max_blocks*BLOCK_M] int32 sorted slots (sentinel num_slots in padding)
     block_expert_ptr, # [max_blocks] int32
@@ -55,20 +64,22 @@ def _dgate_up_kernel(
     stride_dt, stride_dh, stride_w2e, stride_w2h, stride_w2i, stride_xt, stride_xh, stride_w13e, stride_w13n,
     stride_w13h, stride_pm, stride_ym, stride_gm, stride_twt, stride_twk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, RECOMPUTE: tl.constexpr, W2_TMA: tl.constexpr, W13_TMA: tl.constexpr,
-    PG_TMA: tl.constexpr, PU_TMA: tl.constexpr, Y_TMA: tl.constexpr, DG_TMA: tl.constexpr, DU_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    ACT: tl.constexpr, RECOMPUTE: tl.constexpr, HALVES: tl.constexpr, W2_TMA: tl.constexpr,
+    W13_TMA: tl.constexpr, PG_TMA: tl.constexpr, PU_TMA: tl.constexpr, Y_TMA: tl.constexpr, DG_TMA: tl.constexpr,
+    DU_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """dY = dOut[tok(r)] @ w2[e] (M = sorted rows, N = I, K = H) with the activation backward in the epilogue.
 
-    Persistent grid (<= NUM_PROGRAMS,) over (row block, BLOCK_N columns of I) tiles, as the forward's GEMM1.
-    The epilogue needs g and u of the tile: loaded from the forward's saved pre-activations, or (RECOMPUTE)
-    computed in the same K loop as dY (both GEMMs have K = H and gather the same token rows), then also
+    Persistent grid (<= NUM_PROGRAMS,) over (row block, HALVES * BLOCK_N columns of I) tiles, as the forward's
+    GEMM1. HALVES = 2 keeps two [BLOCK_M, BLOCK_N] accumulators that share each gathered dOut tile (twice the
+    work per gathered byte) and runs the epilogue one half at a time (half the live registers of one wide
+    tile). The epilogue needs g and u: loaded from the forward's saved pre-activations, or (RECOMPUTE, one
+    half) computed in the same K loop as dY (both GEMMs have K = H and gather the same token rows), then also
     storing y for d_w2. It writes dG = w dY act'(g) u and dU = w dY act(g), each formed in fp32 and rounded
     once, and the per-row partial <dY, y> of its columns (summed over column tiles by
     :func:`_topk_weight_grad_kernel`, in a fixed order). Padding rows gather zero dOut rows: all their outputs
     are zero."""
+    tl.static_assert(HALVES == 1 or (HALVES == 2 and not RECOMPUTE), "recomputing keeps one half")
     w2_src = tile_source_3d(w2_ptr, E, H, I, stride_w2e, stride_w2h, BLOCK_K, BLOCK_N, W2_TMA)
     dg_dst = tile_source_2d(dg_ptr, num_rows, I, stride_gm, BLOCK_M, BLOCK_N, DG_TMA)
     du_dst = tile_source_2d(du_ptr, num_rows, I, stride_gm, BLOCK_M, BLOCK_N, DU_TMA)
@@ -79,14 +90,16 @@ def _dgate_up_kernel(
         g_src = tile_source_2d(pg_ptr, num_rows, I, stride_pm, BLOCK_M, BLOCK_N, PG_TMA)
         u_src = tile_source_2d(pu_ptr, num_rows, I, stride_pm, BLOCK_M, BLOCK_N, PU_TMA)
     num_m = tl.load(num_blocks_ptr)
-    num_n = tl.cdiv(I, BLOCK_N)
+    num_n = tl.cdiv(I, HALVES * BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         e, k_steps, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, E, num_slots, top_k, H,
                                                    BLOCK_M, BLOCK_K, False)
         row0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
+        n0 = pid_n * (HALVES * BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HALVES == 2:
+            acc_hi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if RECOMPUTE:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -95,6 +108,10 @@ def _dgate_up_kernel(
             d = load_rows(dout_ptr, tok, live, k0, H, stride_dt, stride_dh, BLOCK_K, False)
             w = load_3d(w2_src, e, k0, n0, H, I, stride_w2e, stride_w2h, stride_w2i, BLOCK_K, BLOCK_N, W2_TMA)
             acc = tl.dot(d, w, acc, input_precision=DOT_PRECISION)
+            if HALVES == 2:
+                w = load_3d(w2_src, e, k0, n0 + BLOCK_N, H, I, stride_w2e, stride_w2h, stride_w2i, BLOCK_K, BLOCK_N,
+                            W2_TMA)
+                acc_hi = tl.dot(d, w, acc_hi, input_precision=DOT_PRECISION)
             if RECOMPUTE:
                 x = load_rows(x_ptr, tok, live, k0, H, stride_xt, stride_xh, BLOCK_K, False)
                 wg = load_3d(w13_src, e, n0, k0, 2 * I, H, stride_w13e, stride_w13n, stride_w13h, BLOCK_N, BLOCK_K,
@@ -103,29 +120,36 @@ def _dgate_up_kernel(
                              BLOCK_K, W13_TMA)
                 acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
                 acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = (cols < I)[None, :]
+        wt = tl.load(tw_ptr + tok.to(tl.int64) * stride_twt + (slot - tok * top_k) * stride_twk, mask=live,
+                     other=0.0).to(tl.float32)
         if RECOMPUTE:
             # Gate columns past I read up rows of w13: zero them so they add nothing to <dY, y>.
+            col_ok = ((n0 + tl.arange(0, BLOCK_N)) < I)[None, :]
             g = tl.where(col_ok, acc_g, 0.0)
             u = tl.where(col_ok, acc_u, 0.0)
         else:
             g = load_2d(g_src, row0, n0, num_rows, I, stride_pm, 1, BLOCK_M, BLOCK_N, PG_TMA).to(tl.float32)
             u = load_2d(u_src, row0, n0, num_rows, I, stride_pm, 1, BLOCK_M, BLOCK_N, PU_TMA).to(tl.float32)
-        a, da = _activation_and_grad(g, ACT)
-        y = a * u
+        dg, du, y, part = _dgate_up_epilogue(acc, g, u, wt, ACT)
         if RECOMPUTE:
             store_2d(y_dst, y.to(y_ptr.dtype.element_ty), row0, n0, num_rows, I, stride_ym, 1, BLOCK_M, BLOCK_N,
                      Y_TMA)
+        store_2d(dg_dst, dg.to(dg_ptr.dtype.element_ty), row0, n0, num_rows, I, stride_gm, 1, BLOCK_M, BLOCK_N,
+                 DG_TMA)
+        store_2d(du_dst, du.to(du_ptr.dtype.element_ty), row0, n0, num_rows, I, stride_gm, 1, BLOCK_M, BLOCK_N,
+                 DU_TMA)
+        if HALVES == 2:
+            n1 = n0 + BLOCK_N
+            g = load_2d(g_src, row0, n1, num_rows, I, stride_pm, 1, BLOCK_M, BLOCK_N, PG_TMA).to(tl.float32)
+            u = load_2d(u_src, row0, n1, num_rows, I, stride_pm, 1, BLOCK_M, BLOCK_N, PU_TMA).to(tl.float32)
+            dg, du, y, part_hi = _dgate_up_epilogue(acc_hi, g, u, wt, ACT)
+            part += part_hi
+            store_2d(dg_dst, dg.to(dg_ptr.dtype.element_ty), row0, n1, num_rows, I, stride_gm, 1, BLOCK_M, BLOCK_N,
+                     DG_TMA)
+            store_2d(du_dst, du.to(du_ptr.dtype.element_ty), row0, n1, num_rows, I, stride_gm, 1, BLOCK_M, BLOCK_N,
+                     DU_TMA)
         rows = row0 + tl.arange(0, BLOCK_M)
-        tl.store(part_ptr + pid_n.to(tl.int64) * num_rows + rows, tl.sum(acc * y, 1), mask=rows < num_rows)
-        wt = tl.load(tw_ptr + tok.to(tl.int64) * stride_twt + (slot - tok * top_k) * stride_twk, mask=live,
-                     other=0.0)
-        dy = acc * wt.to(tl.float32)[:, None]
-        store_2d(dg_dst, (dy * u * da).to(dg_ptr.dtype.element_ty), row0, n0, num_rows, I, stride_gm, 1, BLOCK_M,
-                 BLOCK_N, DG_TMA)
-        store_2d(du_dst, (dy * a).to(du_ptr.dtype.element_ty), row0, n0, num_rows, I, stride_gm, 1, BLOCK_M,
-                 BLOCK_N, DU_TMA)
+        tl.store(part_ptr + pid_n.to(tl.int64) * num_rows + rows, part, mask=rows < num_rows)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_slots", "top_k"])
@@ -163,7 +187,8 @@ def _expert_wgrad_kernel(
     stride_a0, stride_a1, stride_b0, stride_b1, stride_oe, stride_om, stride_on, stride_twt, stride_twk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, SCALE_A: tl.constexpr, A_TMA: tl.constexpr,
-    B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    B_TMA: tl.constexpr, O_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """Per-expert weight gradient out[e] = sum over expert e's sorted rows r of A[r]^T B[r] (M x N), a
     "k-grouped" GEMM: K = the expert's own row count, read from ``offsets`` on the device.
@@ -181,6 +206,7 @@ def _expert_wgrad_kernel(
         a_src = tile_source_2d(a_ptr, num_rows, M, stride_a0, BLOCK_K, BLOCK_M, A_TMA)
     if not B_GATHER:
         b_src = tile_source_2d(b_ptr, num_rows, N, stride_b0, BLOCK_K, BLOCK_N, B_TMA)
+    o_dst = tile_source_3d(out_ptr, E, M, N, stride_oe, stride_om, BLOCK_M, BLOCK_N, O_TMA)
     num_mt = tl.cdiv(M, BLOCK_M)
     num_nt = tl.cdiv(N, BLOCK_N)
     per_e = num_mt * num_nt
@@ -190,9 +216,10 @@ def _expert_wgrad_kernel(
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         r_begin = tl.load(offsets_ptr + e)
-        r_end = tl.load(offsets_ptr + e + 1)
+        k_steps = (tl.load(offsets_ptr + e + 1) - r_begin) // BLOCK_K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(r_begin, r_end, BLOCK_K):
+        for kk in range(0, k_steps):  # a zero-based trip count, like every K loop here: FLATTEN pipelines it
+            r0 = r_begin + kk * BLOCK_K
             slot = tl.load(slots_ptr + r0 + tl.arange(0, BLOCK_K))
             live = slot < num_slots
             tok = slot // top_k
@@ -209,7 +236,6 @@ def _expert_wgrad_kernel(
             else:
                 b = load_2d(b_src, r0, n0, num_rows, N, stride_b0, 1, BLOCK_K, BLOCK_N, B_TMA)
             acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-        rm = m0 + tl.arange(0, BLOCK_M)
-        rn = n0 + tl.arange(0, BLOCK_N)
-        ptrs = out_ptr + e.to(tl.int64) * stride_oe + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        # With TMA the store is asynchronous: it drains while the next tile's loads are in flight.
+        store_3d(o_dst, acc.to(out_ptr.dtype.element_ty), e, m0, n0, M, N, stride_oe, stride_om, stride_on,
+                 BLOCK_M, BLOCK_N, O_TMA)

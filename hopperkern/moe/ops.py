@@ -162,11 +162,14 @@ def _setup_context(ctx, inputs, output):
                           expert_offsets, num_blocks)
     ctx.opts = (activation, tma, deterministic, config)
     ctx.save_mode = save
+    # pre and inter are float outputs that no user differentiates: without this, autograd would fill zero
+    # gradients of their [rows, 3I] elements before every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, d_out, *_unused):
     needs = [bool(ctx.needs_input_grad[i]) for i in range(4)]
-    if not any(needs):
+    if d_out is None or not any(needs):
         return (None,) * 11
     if ctx.save_mode == SAVE_NONE:
         raise RuntimeError("hopperkern::moe_forward ran with save=0, so nothing was kept for the backward; call "

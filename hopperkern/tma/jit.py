@@ -12,7 +12,8 @@ Pointer offsets along the leading dim are computed in int64: N*V and V*H exceed 
 import triton
 import triton.language as tl
 
-__all__ = ["grouped_tile", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d", "load_rows"]
+__all__ = ["grouped_tile", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d", "store_3d",
+           "load_rows"]
 
 
 @triton.jit
@@ -96,6 +97,20 @@ def load_3d(src, idx0, off1, off2, shape1, shape2, stride0, stride1, stride2, BL
         ptrs = base + r[:, None].to(tl.int64) * stride1 + c[None, :].to(tl.int64) * stride2
         tile = tl.load(ptrs, mask=(r[:, None] < shape1) & (c[None, :] < shape2), other=0.0)
     return tile
+
+
+@triton.jit
+def store_3d(dst, value, idx0, off1, off2, shape1, shape2, stride0, stride1, stride2, BLOCK1: tl.constexpr,
+             BLOCK2: tl.constexpr, USE_TMA: tl.constexpr):
+    """Store a [BLOCK1, BLOCK2] tile into slab ``idx0`` at (off1, off2), clipped to [shape1, shape2]."""
+    if USE_TMA:
+        dst.store([idx0, off1, off2], value.reshape(1, BLOCK1, BLOCK2))
+    else:
+        r = off1 + tl.arange(0, BLOCK1)
+        c = off2 + tl.arange(0, BLOCK2)
+        base = dst + tl.cast(idx0, tl.int64) * stride0
+        ptrs = base + r[:, None].to(tl.int64) * stride1 + c[None, :].to(tl.int64) * stride2
+        tl.store(ptrs, value, mask=(r[:, None] < shape1) & (c[None, :] < shape2))
 
 
 @triton.jit
