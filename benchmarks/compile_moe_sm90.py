@@ -90,24 +90,21 @@ def compile_one(job):
         vals = dict(dout_ptr="bf16", w2_ptr="bf16", x_ptr="bf16", w13_ptr="bf16", pg_ptr="bf16", pu_ptr="bf16",
                     y_ptr="bf16", dg_ptr="bf16", du_ptr="bf16", part_ptr="fp32", tw_ptr="fp32", slots_ptr="i32",
                     block_expert_ptr="i32", num_blocks_ptr="i32", E=E, H=H, I=I, num_rows=4096, num_slots=4096,
-                    top_k=8, max_blocks=64, stride_dt=H, stride_dh=1, stride_w2e=H * I, stride_w2h=I, stride_w2i=1,
-                    stride_xt=H, stride_xh=1, stride_w13e=2 * I * H, stride_w13n=H, stride_w13h=1, stride_pm=2 * I,
-                    stride_ym=I, stride_gm=2 * I, stride_twt=8, stride_twk=1)
+                    top_k=8, max_blocks=64, stride_dm=H, stride_w2e=H * I, stride_w2h=I, stride_w2i=1, stride_xm=H,
+                    stride_w13e=2 * I * H, stride_w13n=H, stride_w13h=1, stride_pm=2 * I, stride_ym=I,
+                    stride_gm=2 * I, stride_twt=8, stride_twk=1)
         const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                     ACT=K.ACT_SILU, RECOMPUTE=recompute, HALVES=1 if recompute else 2, W2_TMA=w_tma,
-                     W13_TMA=w_tma and recompute,
-                     PG_TMA=y_tma and not recompute, PU_TMA=y_tma and not recompute, Y_TMA=y_tma and recompute,
+                     ACT=K.ACT_SILU, RECOMPUTE=recompute, HALVES=1 if recompute else 2, D_TMA=y_tma,
+                     X_TMA=y_tma and recompute, W2_TMA=w_tma, W13_TMA=w_tma and recompute,
+                     PG_TMA=y_tma and not recompute, PU_TMA=y_tma and not recompute, Y_TMA=y_tma,
                      DG_TMA=y_tma, DU_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
     elif gemm in ("d_w13", "d_w2"):
         fn, w13 = B._expert_wgrad_kernel, gemm == "d_w13"
         M, N = (2 * I, H) if w13 else (H, I)
-        vals = dict(a_ptr="bf16", b_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", slots_ptr="i32", offsets_ptr="i32",
-                    E=E, M=M, N=N, num_rows=4096, num_slots=4096, top_k=8, stride_a0=M if w13 else H, stride_a1=1,
-                    stride_b0=H if w13 else N, stride_b1=1, stride_oe=M * N, stride_om=N, stride_on=1, stride_twt=8,
-                    stride_twk=1)
+        vals = dict(a_ptr="bf16", b_ptr="bf16", out_ptr="bf16", offsets_ptr="i32", E=E, M=M, N=N, num_rows=4096,
+                    stride_a=M, stride_b=N, stride_oe=M * N, stride_om=N, stride_on=1)
         const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                     A_GATHER=not w13, B_GATHER=w13, SCALE_A=not w13, A_TMA=w13 and y_tma, B_TMA=y_tma and not w13,
-                     O_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
+                     A_TMA=y_tma, B_TMA=y_tma, O_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
     elif direct == "fused":  # a DIRECT plan's down GEMM with the top-k sum inside
         fn = K._down_direct_kernel
         vals = dict(y_ptr="bf16", w_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", ids_ptr="i32", E=E, H=H, I=I,

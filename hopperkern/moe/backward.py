@@ -7,7 +7,7 @@
     inter = gate_up(hidden, w13, plan, config=cfg.gemm1, pre_out=pre)         # forward, saving pre-activations
     out   = down(inter, w2, topk_weights, topk_ids, plan, config=cfg.gemm2)
     d_hidden, d_w13, d_w2, d_tw = moe_backward(d_out, hidden, w13, w2, topk_weights, topk_ids, plan,
-                                               pre=pre, inter=inter, config=cfg)
+                                               pre=pre, config=cfg)
 
 Math and kernels: :mod:`hopperkern.moe._backward_kernels`. Every gradient is formed from fp32 accumulators
 and rounded once to its tensor's dtype: d(gate, up) in the epilogue of the dY GEMM; d_hidden as per-slot
@@ -16,8 +16,9 @@ d_w13 and d_w2 summed over each expert's rows in fp32 registers and written once
 gets exact zeros); d_topk_weights summed over column tiles in a fixed order. No host synchronisation.
 
 Two ways to get the pre-activations g, u that the activation gradient needs: ``pre`` (saved by the forward,
-[plan.max_rows, 2I]: memory) or ``pre=None`` (recomputed inside the dY GEMM, which gathers the same token rows
-with the same K = H: three times the FLOPs of that GEMM, and ``inter`` is then recomputed and written too).
+[plan.max_rows, 2I]: memory) or ``pre=None`` (recomputed inside the dY GEMM from the sorted hidden rows, with
+the same K = H: three times the FLOPs of that GEMM). Either way y = act(g) * u is formed again in the dY
+GEMM's epilogue, so the forward's intermediate rows are not kept.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ import triton
 from .. import tma as _tma
 from .._validate import dot_precision
 from ..tuning import KernelConfig, MoeConfig
-from ._backward_kernels import _dgate_up_kernel, _expert_wgrad_kernel, _topk_weight_grad_kernel
+from ._backward_kernels import _dgate_up_kernel, _expert_wgrad_kernel, _gather_rows_kernel, _topk_weight_grad_kernel
 from .align import AlignPlan
 from .configs import num_programs
 from .gemm import ACTIVATIONS, slot_gemm_sum
 
-__all__ = ["backward_configs", "moe_backward", "wgrad_config"]
+__all__ = ["backward_configs", "gather_rows", "moe_backward", "wgrad_config"]
 
 _TW_BLOCK = 256  # rows per program of the topk-weight gradient reduction
+_GATHER_BLOCK_R, _GATHER_BLOCK_H = 16, 512  # rows x columns per program of the sorted row copies
 
 
 def wgrad_config(block_m: int, dtype, interpreter: bool = False) -> KernelConfig:
@@ -83,7 +85,7 @@ def _check_saved(name: str, t: torch.Tensor, shape: tuple, dtype) -> None:
 
 def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, plan: AlignPlan, *, config: MoeConfig,
-                 pre: torch.Tensor | None = None, inter: torch.Tensor | None = None, activation: str = "silu",
+                 pre: torch.Tensor | None = None, activation: str = "silu",
                  tma: str = "auto", deterministic: bool = True, need_hidden: bool = True, need_w13: bool = True,
                  need_w2: bool = True, need_topk_weights: bool = True):
     """Gradients ``(d_hidden [T, H], d_w13 [E, 2I, H], d_w2 [E, H, I], d_topk_weights [T, k])`` of
@@ -91,8 +93,7 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
     comes back as None.
 
     ``plan`` is the forward's sorted plan (:func:`hopperkern.moe.moe_align`, not a direct plan); ``pre`` the
-    forward's saved pre-activations (``gate_up(..., pre_out=pre)``) and ``inter`` its output rows, or both None
-    to recompute them here. ``config``: the forward's :class:`~hopperkern.tuning.MoeConfig` (its block_m must be
+    forward's saved pre-activations (``gate_up(..., pre_out=pre)``), or None to recompute them here. ``config``: the forward's :class:`~hopperkern.tuning.MoeConfig` (its block_m must be
     the plan's). Gradients come in the dtype of their input; ``deterministic=False`` sums d_hidden with fp32
     atomics (bits may vary run to run). Inputs must be validated already (:func:`hopperkern.moe.fused_moe`).
     """
@@ -106,12 +107,9 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
     if config.gemm1.block_m != plan.block_m:
         raise ValueError(f"config.gemm1.block_m must be {plan.block_m} (the plan's block_m), got "
                          f"{config.gemm1.block_m}")
-    if (pre is None) != (inter is None):
-        raise ValueError("pass both pre and inter (saved by the forward) or neither (recompute)")
     recompute = pre is None
     if not recompute:
         _check_saved("pre", pre, (plan.max_rows, 2 * I), dt)
-        _check_saved("inter", inter, (plan.max_rows, I), dt)
     if tuple(d_out.shape) != (T, H) or d_out.dtype != dt:
         raise ValueError(f"d_out must be [{T}, {H}] {dt}, got {tuple(d_out.shape)} {d_out.dtype}")
     d_tw = torch.zeros_like(topk_weights) if need_topk_weights else None  # dropped slots keep 0
@@ -127,82 +125,93 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
     c1, c2, cw = backward_configs(config, dt, recompute, interp)
     rows = plan.max_rows
     bm, bn, bk = c1.block_m, c1.block_n, c1.block_k
-
-    # 1) dY = dOut @ w2[e] with the activation backward: d(gate, up), partial <dY, y> (and y when recomputing).
-    dgu = torch.empty((rows, 2 * I), dtype=dt, device=dev)
-    halves = 1 if recompute or I <= bn else 2  # two accumulators per tile (see _dgate_up_kernel)
-    num_n = triton.cdiv(I, halves * bn)
-    part = torch.empty((num_n, rows), dtype=torch.float32, device=dev)
-    if recompute:
-        inter = torch.empty((rows, I), dtype=dt, device=dev)
-        pg = pu = inter
-    else:
-        pg, pu = pre[:, :I], pre[:, I:]
-    dg, du = dgu[:, :I], dgu[:, I:]
-    ops = {"w2": (w2, (1, bk, bn)), "d_gate": (dg, (bm, bn)), "d_up": (du, (bm, bn))}
-    if recompute:
-        ops.update(w13=(w13, (1, bn, bk)), inter=(inter, (bm, bn)))
-    else:
-        ops.update(pre_gate=(pg, (bm, bn)), pre_up=(pu, (bm, bn)))
-    d = _tma.decide(tma, ops, op="moe.backward.dgate_up")
-    progs = num_programs(c1, dt.itemsize, 3 if recompute else halves, dev)
-    grid = (min(plan.max_blocks * num_n, progs),)
     with _tma.launch_context(hidden, "moe.backward"):
+        # 1) Sorted copies of the upstream-gradient rows (and of the hidden rows when recomputing): every GEMM
+        #    below reads contiguous row tiles instead of gathering inside its K loop.
+        d_sorted = gather_rows(d_out, plan)
+        x_sorted = gather_rows(hidden, plan) if recompute else None
+        # 2) dY = Ds @ w2[e] with the activation backward: d(gate, up), Yw = w y, partial <dY, y>.
+        dgu = torch.empty((rows, 2 * I), dtype=dt, device=dev)
+        y_w = torch.empty((rows, I), dtype=dt, device=dev)
+        halves = 1 if recompute or I <= bn else 2  # two accumulators per tile (see _dgate_up_kernel)
+        num_n = triton.cdiv(I, halves * bn)
+        part = torch.empty((num_n, rows), dtype=torch.float32, device=dev)
+        pg, pu = (y_w, y_w) if recompute else (pre[:, :I], pre[:, I:])
+        dg, du = dgu[:, :I], dgu[:, I:]
+        ops = {"d_out_sorted": (d_sorted, (bm, bk)), "w2": (w2, (1, bk, bn)), "d_gate": (dg, (bm, bn)),
+               "d_up": (du, (bm, bn)), "y_weighted": (y_w, (bm, bn))}
+        if recompute:
+            ops.update(hidden_sorted=(x_sorted, (bm, bk)), w13=(w13, (1, bn, bk)))
+        else:
+            ops.update(pre_gate=(pg, (bm, bn)), pre_up=(pu, (bm, bn)))
+        d = _tma.decide(tma, ops, op="moe.backward.dgate_up")
+        x_arg = x_sorted if recompute else d_sorted
+        progs = num_programs(c1, dt.itemsize, 3 if recompute else halves, dev)
+        grid = (min(plan.max_blocks * num_n, progs),)
         _dgate_up_kernel[grid](
-            d_out, w2, hidden, w13, pg, pu, inter, dg, du, part, topk_weights, plan.sorted_slots,
+            d_sorted, w2, x_arg, w13, pg, pu, y_w, dg, du, part, topk_weights, plan.sorted_slots,
             plan.block_expert, plan.num_blocks,
             E, H, I, rows, plan.num_slots, k, plan.max_blocks,
-            d_out.stride(0), d_out.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), hidden.stride(0),
-            hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), pg.stride(0), inter.stride(0),
-            dgu.stride(0), topk_weights.stride(0), topk_weights.stride(1),
+            d_sorted.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), x_arg.stride(0), w13.stride(0),
+            w13.stride(1), w13.stride(2), pg.stride(0), y_w.stride(0), dgu.stride(0), topk_weights.stride(0),
+            topk_weights.stride(1),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c1.group_m, ACT=ACTIVATIONS[activation],
-            RECOMPUTE=recompute, HALVES=halves, W2_TMA=d["w2"], W13_TMA=recompute and d["w13"],
-            PG_TMA=not recompute and d["pre_gate"], PU_TMA=not recompute and d["pre_up"],
-            Y_TMA=recompute and d["inter"], DG_TMA=d["d_gate"], DU_TMA=d["d_up"],
+            RECOMPUTE=recompute, HALVES=halves, D_TMA=d["d_out_sorted"], X_TMA=recompute and d["hidden_sorted"],
+            W2_TMA=d["w2"], W13_TMA=recompute and d["w13"], PG_TMA=not recompute and d["pre_gate"],
+            PU_TMA=not recompute and d["pre_up"], Y_TMA=d["y_weighted"], DG_TMA=d["d_gate"], DU_TMA=d["d_up"],
             DOT_PRECISION=dot_precision(dt), NUM_PROGRAMS=progs, FLATTEN=c1.flatten, num_warps=c1.num_warps,
             num_stages=c1.num_stages,
         )
-        # 2) d_topk_weights: the column-tile partials summed in order.
+        del x_sorted
+        # 3) d_topk_weights: the column-tile partials summed in order.
         if need_topk_weights:
             _topk_weight_grad_kernel[(triton.cdiv(rows, _TW_BLOCK),)](
                 part, plan.sorted_slots, plan.num_blocks, d_tw, rows, plan.num_slots, k, d_tw.stride(0),
                 d_tw.stride(1), NUM_N=num_n, ROWS_PER_BLOCK=plan.block_m, BLOCK=_TW_BLOCK, num_warps=4,
             )
-        # 3) d_hidden = sum_j d(gate, up)[row(t, j)] @ w13[e]: the forward's down GEMM with w13 as [E, K, N].
+        # 4) d_w2[e] = Ds_e^T Yw_e (then the sorted copies of dOut are no longer needed).
+        if need_w2:
+            _expert_wgrad(d_sorted, y_w, d_w2, plan, cw, tma, "moe.backward.d_w2")
+        del d_sorted, y_w
+        # 5) d_hidden = sum_j d(gate, up)[row(t, j)] @ w13[e]: the forward's down GEMM with w13 as [E, K, N].
         if need_hidden:
             dx = _tma.decide(tma, {"d_gate_up": (dgu, (c2.block_m, c2.block_k)), "w13": (w13, (1, c2.block_k,
                                                                                              c2.block_n))},
                              op="moe.backward.d_hidden")
             d_h = slot_gemm_sum(dgu, w13, None, topk_ids, plan, c2, dx["d_gate_up"], dx["w13"], deterministic, dt,
                                 "moe.backward", w_kn=True)
-        # 4) d_w13[e] = d(gate, up)_e^T X_e and d_w2[e] = (w dOut)_e^T Y_e.
+        # 6) d_w13[e] = d(gate, up)_e^T Xs_e.
         if need_w13:
-            _expert_wgrad(dgu, hidden, d_w13, None, plan, cw, tma, "moe.backward.d_w13", b_gather=True)
-        if need_w2:
-            _expert_wgrad(d_out, inter, d_w2, topk_weights, plan, cw, tma, "moe.backward.d_w2", b_gather=False)
+            _expert_wgrad(dgu, gather_rows(hidden, plan), d_w13, plan, cw, tma, "moe.backward.d_w13")
     return d_h, d_w13, d_w2, d_tw
 
 
-def _expert_wgrad(a, b, out, topk_weights, plan: AlignPlan, cfg: KernelConfig, tma: str, op: str, *,
-                  b_gather: bool) -> None:
-    """out[e] = sum over expert e's sorted rows of A[r]^T B[r]; the gathered operand is b (d_w13) or a (d_w2)."""
+def gather_rows(src: torch.Tensor, plan: AlignPlan) -> torch.Tensor:
+    """[plan.max_rows, H] copy of the token rows of ``src`` [T, H] in the plan's sorted order (zeros in the
+    padding rows; rows past the live blocks are left unwritten and are never read)."""
+    rows, H = plan.max_rows, src.shape[1]
+    out = torch.empty((rows, H), dtype=src.dtype, device=src.device)
+    bh = min(_GATHER_BLOCK_H, triton.next_power_of_2(max(H, 1)))
+    _gather_rows_kernel[(triton.cdiv(rows, _GATHER_BLOCK_R), triton.cdiv(H, bh))](
+        src, plan.sorted_slots, plan.num_blocks, out, rows, plan.num_slots, plan.top_k, H, src.stride(0),
+        src.stride(1), out.stride(0), ROWS_PER_BLOCK=plan.block_m, BLOCK_R=_GATHER_BLOCK_R, BLOCK_H=bh, num_warps=4,
+    )
+    return out
+
+
+def _expert_wgrad(a, b, out, plan: AlignPlan, cfg: KernelConfig, tma: str, op: str) -> None:
+    """out[e] = sum over expert e's sorted rows of A[r]^T B[r] (both operands sorted, padding rows zero)."""
     E, M, N = out.shape
     if plan.block_m % cfg.block_k:
         raise ValueError(f"{op}: block_k {cfg.block_k} must divide the plan's block_m {plan.block_m}")
-    sorted_op = a if b_gather else b
-    box = (cfg.block_k, cfg.block_m) if b_gather else (cfg.block_k, cfg.block_n)
-    d = _tma.decide(tma, {"sorted": (sorted_op, box), "out": (out, (1, cfg.block_m, cfg.block_n))}, op=op)
+    d = _tma.decide(tma, {"a": (a, (cfg.block_k, cfg.block_m)), "b": (b, (cfg.block_k, cfg.block_n)),
+                          "out": (out, (1, cfg.block_m, cfg.block_n))}, op=op)
     progs = num_programs(cfg, a.element_size(), 1, a.device)
     grid = (min(E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), progs),)
-    tw = topk_weights if topk_weights is not None else out
-    tw_strides = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
     _expert_wgrad_kernel[grid](
-        a, b, out, tw, plan.sorted_slots, plan.expert_offsets,
-        E, M, N, plan.max_rows, plan.num_slots, plan.top_k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2), *tw_strides,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        A_GATHER=not b_gather, B_GATHER=b_gather, SCALE_A=topk_weights is not None,
-        A_TMA=b_gather and d["sorted"], B_TMA=not b_gather and d["sorted"], O_TMA=d["out"],
-        DOT_PRECISION=dot_precision(a.dtype),
-        NUM_PROGRAMS=progs, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a, b, out, plan.expert_offsets, E, M, N, plan.max_rows, a.stride(0), b.stride(0), out.stride(0),
+        out.stride(1), out.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, A_TMA=d["a"],
+        B_TMA=d["b"], O_TMA=d["out"], DOT_PRECISION=dot_precision(a.dtype), NUM_PROGRAMS=progs,
+        FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -85,7 +85,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     an expert without tokens); d_hidden sums a token's k slots in a fixed order (bitwise reproducible unless
     ``deterministic=False``); dropped slots get no gradient. When autograd records (an input requires grad and
     grad mode is on) the forward keeps the alignment plan and, unless ``recompute``, the gate/up
-    pre-activations and the intermediate rows ([rows, 3I] in hidden's dtype, rows ~ T*k) for the backward;
+    pre-activations ([rows, 2I] in hidden's dtype, rows ~ T*k) for the backward;
     ``recompute=True`` keeps only the plan and recomputes them in the backward (the gate/up GEMM once more:
     about 22 % more FLOPs per training step). Under ``torch.no_grad()`` / inference mode nothing is kept.
 

@@ -4,8 +4,7 @@ Custom ops keep ``torch.compile(fullgraph=True)`` working: dynamo sees two opaqu
 shapes instead of Triton launches, tuning-file lookups and host-side checks.
 
 ``hopperkern::moe_forward`` returns the output and, when autograd will need them (``save`` > 0), the tensors
-the backward reads: the alignment plan and (``save`` == 1) the gate/up pre-activations and intermediate rows
-in expert-sorted order. Their row count depends on the routing only through worst-case bounds computed from
+the backward reads: the alignment plan and (``save`` == 1) the gate/up pre-activations in expert-sorted order. Their row count depends on the routing only through worst-case bounds computed from
 shapes and the launch config, which the fake implementation cannot see: it declares them as dynamic sizes.
 Without autograd (``torch.no_grad()``, inference mode, inputs that need no grad) nothing is saved and the
 forward is the inference path (direct plans for tiny batches, fused top-k).
@@ -28,7 +27,7 @@ from .gemm import down, gate_up
 __all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "config_from_list", "config_to_list", "moe_backward_op",
            "moe_forward_op"]
 
-SAVE_NONE, SAVE_PRE, SAVE_PLAN = 0, 1, 2  # save: nothing / plan + pre-activations + rows / plan only (recompute)
+SAVE_NONE, SAVE_PRE, SAVE_PLAN = 0, 1, 2  # save: nothing / plan + pre-activations / plan only (recompute)
 
 _KC_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten")
 
@@ -62,9 +61,9 @@ def _empty(hidden, *shape, dtype=None):
 @torch.library.custom_op("hopperkern::moe_forward", mutates_args=())
 def moe_forward_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str,
                    tma: str, check: bool, deterministic: bool, config: Optional[list[int]],
-                   save: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out [T, H], pre [rows, 2I], inter [rows, I], sorted_slots [rows], block_expert [blocks],
-    expert_offsets [E + 1], num_blocks [1]); everything after ``out`` is empty unless ``save`` asks for it."""
+                   save: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out [T, H], pre [rows, 2I], sorted_slots [rows], block_expert [blocks], expert_offsets [E + 1],
+    num_blocks [1]); everything after ``out`` is empty unless ``save`` asks for it."""
     from .fused import check_expert_ids
 
     T, H = hidden.shape
@@ -79,20 +78,18 @@ def moe_forward_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor
             plan = direct_plan(topk_ids, E, cfg.gemm1.block_m)
         else:
             plan = moe_align(topk_ids, E, cfg.gemm1.block_m)
-        pre = hidden.new_empty((plan.max_rows, 2 * I)) if save == SAVE_PRE else None
+        pre = hidden.new_empty((plan.max_rows, 2 * I)) if save == SAVE_PRE else _empty(hidden, 0, 2 * I)
         if T * k == 0 or H == 0 or I == 0:
             out = torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
-            inter = hidden.new_zeros((plan.max_rows, I))
         else:
-            inter = gate_up(hidden, w13, plan, config=cfg.gemm1, activation=activation, tma=tma, pre_out=pre)
+            inter = gate_up(hidden, w13, plan, config=cfg.gemm1, activation=activation, tma=tma,
+                            pre_out=pre if save == SAVE_PRE else None)
             out = down(inter, w2, topk_weights, topk_ids, plan, config=cfg.gemm2, tma=tma,
                        deterministic=deterministic, out_dtype=hidden.dtype, fused_topk=cfg.fused_topk)
     if save == SAVE_NONE:
-        return (out, _empty(hidden, 0, 2 * I), _empty(hidden, 0, I), _empty(hidden, 0, **i32),
-                _empty(hidden, 0, **i32), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32))
-    if save == SAVE_PLAN:
-        pre, inter = _empty(hidden, 0, 2 * I), _empty(hidden, 0, I)
-    return out, pre, inter, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.num_blocks
+        return (out, pre, _empty(hidden, 0, **i32), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32),
+                _empty(hidden, 0, **i32))
+    return out, pre, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.num_blocks
 
 
 @moe_forward_op.register_fake
@@ -103,12 +100,11 @@ def _(hidden, w13, w2, topk_weights, topk_ids, activation, tma, check, determini
     i32 = dict(dtype=torch.int32)
     out = hidden.new_empty((T, H))
     if save == SAVE_NONE:
-        return (out, _empty(hidden, 0, 2 * I), _empty(hidden, 0, I), _empty(hidden, 0, **i32),
-                _empty(hidden, 0, **i32), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32))
+        return (out, _empty(hidden, 0, 2 * I), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32),
+                _empty(hidden, 0, **i32), _empty(hidden, 0, **i32))
     ctx = torch.library.get_ctx()
     rows, blocks = ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    kept = rows if save == SAVE_PRE else 0
-    return (out, _empty(hidden, kept, 2 * I), _empty(hidden, kept, I), _empty(hidden, rows, **i32),
+    return (out, _empty(hidden, rows if save == SAVE_PRE else 0, 2 * I), _empty(hidden, rows, **i32),
             _empty(hidden, blocks, **i32), _empty(hidden, E + 1, **i32), _empty(hidden, 1, **i32))
 
 
@@ -122,7 +118,7 @@ def _plan(sorted_slots, block_expert, expert_offsets, num_blocks, T, k, E) -> Al
 
 @torch.library.custom_op("hopperkern::moe_backward", mutates_args=())
 def moe_backward_op(d_out: Tensor, hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                    pre: Tensor, inter: Tensor, sorted_slots: Tensor, block_expert: Tensor, expert_offsets: Tensor,
+                    pre: Tensor, sorted_slots: Tensor, block_expert: Tensor, expert_offsets: Tensor,
                     num_blocks: Tensor, activation: str, tma: str, deterministic: bool, config: Optional[list[int]],
                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(d_hidden, d_w13, d_w2, d_topk_weights); a gradient that ``needs`` does not ask for is an empty tensor."""
@@ -141,7 +137,7 @@ def moe_backward_op(d_out: Tensor, hidden: Tensor, w13: Tensor, w2: Tensor, topk
     d_out = d_out.to(hidden.dtype)
     with launch_context(hidden, "moe.fused_moe backward"):
         grads = moe_backward(d_out, hidden, w13, w2, topk_weights, topk_ids, plan, config=cfg,
-                             pre=pre if saved else None, inter=inter if saved else None, activation=activation,
+                             pre=pre if saved else None, activation=activation,
                              tma=tma, deterministic=deterministic, need_hidden=needs[0], need_w13=needs[1],
                              need_w2=needs[2], need_topk_weights=needs[3])
     # Custom-op outputs must not alias each other: one fresh empty tensor per missing gradient.
@@ -149,21 +145,21 @@ def moe_backward_op(d_out: Tensor, hidden: Tensor, w13: Tensor, w2: Tensor, topk
 
 
 @moe_backward_op.register_fake
-def _(d_out, hidden, w13, w2, topk_weights, topk_ids, pre, inter, sorted_slots, block_expert, expert_offsets,
-      num_blocks, activation, tma, deterministic, config, needs):
+def _(d_out, hidden, w13, w2, topk_weights, topk_ids, pre, sorted_slots, block_expert, expert_offsets, num_blocks,
+      activation, tma, deterministic, config, needs):
     return tuple(t.new_empty(t.shape) if need else hidden.new_empty((0,))
                  for t, need in zip((hidden, w13, w2, topk_weights), needs))
 
 
 def _setup_context(ctx, inputs, output):
     hidden, w13, w2, topk_weights, topk_ids, activation, tma, _, deterministic, config, save = inputs
-    _, pre, inter, sorted_slots, block_expert, expert_offsets, num_blocks = output
-    ctx.save_for_backward(hidden, w13, w2, topk_weights, topk_ids, pre, inter, sorted_slots, block_expert,
-                          expert_offsets, num_blocks)
+    _, pre, sorted_slots, block_expert, expert_offsets, num_blocks = output
+    ctx.save_for_backward(hidden, w13, w2, topk_weights, topk_ids, pre, sorted_slots, block_expert, expert_offsets,
+                          num_blocks)
     ctx.opts = (activation, tma, deterministic, config)
     ctx.save_mode = save
-    # pre and inter are float outputs that no user differentiates: without this, autograd would fill zero
-    # gradients of their [rows, 3I] elements before every backward.
+    # pre is a float output that no user differentiates: without this, autograd would fill a zero gradient of
+    # its [rows, 2I] elements before every backward.
     ctx.set_materialize_grads(False)
 
 
