@@ -117,10 +117,7 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
         zeros = [torch.zeros_like(t) if need else None
                  for t, need in ((hidden, need_hidden), (w13, need_w13), (w2, need_w2))]
         return (*zeros, d_tw)
-    # The weight-gradient kernels write every element (zeros for experts without tokens): no memset.
-    d_w13 = torch.empty_like(w13) if need_w13 else None
-    d_w2 = torch.empty_like(w2) if need_w2 else None
-    d_h = None
+    d_h = d_w13 = d_w2 = None
     interp = _tma.interpreter_active()
     c1, c2, cw = backward_configs(config, dt, recompute, interp)
     rows = plan.max_rows
@@ -162,17 +159,21 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
             DOT_PRECISION=dot_precision(dt), NUM_PROGRAMS=progs, FLATTEN=c1.flatten, num_warps=c1.num_warps,
             num_stages=c1.num_stages,
         )
-        del x_sorted
         # 3) d_topk_weights: the column-tile partials summed in order.
         if need_topk_weights:
             _topk_weight_grad_kernel[(triton.cdiv(rows, _TW_BLOCK),)](
                 part, plan.sorted_slots, plan.num_blocks, d_tw, rows, plan.num_slots, k, d_tw.stride(0),
                 d_tw.stride(1), NUM_N=num_n, ROWS_PER_BLOCK=plan.block_m, BLOCK=_TW_BLOCK, num_warps=4,
             )
-        # 4) d_w2[e] = Ds_e^T Yw_e (then the sorted copies of dOut are no longer needed).
+        # Buffers are dropped as soon as their last reader is queued (the caching allocator hands their blocks
+        # to the next same-sized buffer), and each weight gradient is allocated right before its GEMM: the
+        # peak stays near max(Ds + Yw, per-slot d_hidden rows, Xs) on top of d(gate, up) and the gradients.
+        # 4) d_w2[e] = Ds_e^T Yw_e; the weight-gradient kernels write every element (zeros for experts without
+        #    tokens): no memset.
         if need_w2:
+            d_w2 = torch.empty_like(w2)
             _expert_wgrad(d_sorted, y_w, d_w2, plan, cw, tma, "moe.backward.d_w2")
-        del d_sorted, y_w
+        del d_sorted, y_w, part
         # 5) d_hidden = sum_j d(gate, up)[row(t, j)] @ w13[e]: the forward's down GEMM with w13 as [E, K, N].
         if need_hidden:
             dx = _tma.decide(tma, {"d_gate_up": (dgu, (c2.block_m, c2.block_k)), "w13": (w13, (1, c2.block_k,
@@ -182,7 +183,9 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
                                 "moe.backward", w_kn=True)
         # 6) d_w13[e] = d(gate, up)_e^T Xs_e.
         if need_w13:
-            _expert_wgrad(dgu, gather_rows(hidden, plan), d_w13, plan, cw, tma, "moe.backward.d_w13")
+            x_sorted = x_sorted if x_sorted is not None else gather_rows(hidden, plan)
+            d_w13 = torch.empty_like(w13)
+            _expert_wgrad(dgu, x_sorted, d_w13, plan, cw, tma, "moe.backward.d_w13")
     return d_h, d_w13, d_w2, d_tw
 
 
