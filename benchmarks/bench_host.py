@@ -1,0 +1,195 @@
+"""Host cost of eager calls: what one call of an op costs the CPU, beside what it costs the GPU.
+
+For ``fused_moe`` at 1, 16 and 256 tokens on the five MoE shapes, and for the LCE forward (log-probs +
+entropy, no grad) and forward + backward (RL) at 256 and 2048 tokens (llama3-8B head), three figures per call:
+
+  host_us     time to issue CALLS calls without synchronising (perf_counter around the loop, divided by CALLS;
+              the GPU work queues up behind). Ops that synchronise inside (label / id checks) pay that here.
+  eager_us    an eager loop of CALLS calls, one synchronisation at the end, per call (what a training or
+              serving loop sees: host and GPU overlap, the slower of the two wins)
+  graph_us    the same call replayed from a CUDA graph (GPU time without the host; ops with a host sync
+              inside run with their check off)
+
+and, measured in the same run, the host cost of one trivial Triton launch (``trivial_triton_us``) and of one
+small torch op (``small_torch_us``), to which the host figures are compared: absolute microseconds differ
+between hosts, these ratios hold. ``launches`` counts the kernels one call enqueues (torch profiler).
+
+    python -m benchmarks.bench_host --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import capture_graph, run_meta, write_csv
+
+MOE_SHAPES = {
+    "qwen3-30B-A3B": (128, 8, 2048, 768),
+    "deepseek-V3-TP8": (256, 8, 7168, 256),
+    "mixtral-8x7B": (8, 2, 4096, 14336),
+    "qwen3-235B-TP4": (128, 8, 4096, 384),
+    "gpt-oss-120B": (128, 4, 2880, 2880),
+}
+MOE_TOKENS = (1, 16, 256)
+LCE_SHAPE = (4096, 128256)  # H, V
+LCE_TOKENS = (256, 2048)
+CALLS = 200
+
+
+def host_us(fn, calls=CALLS) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def eager_us(fn, calls=CALLS) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def graph_us(fn, calls=50) -> float:
+    g = capture_graph(fn)
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def count_launches(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def baselines() -> dict:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _trivial(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+    x = torch.zeros(1024, device="cuda")
+    trivial = min(host_us(lambda: _trivial[(1,)](x, 1024, BLOCK=1024)) for _ in range(3))
+    small = min(host_us(lambda: x.add_(1.0)) for _ in range(3))
+    return {"trivial_triton_us": trivial, "small_torch_us": small}
+
+
+def moe_rows(base, quick):
+    from hopperkern import moe
+
+    rows = []
+    for name, (E, k, H, I) in MOE_SHAPES.items():  # noqa: E741
+        if quick and name not in ("qwen3-30B-A3B", "mixtral-8x7B"):
+            continue
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w13 = (torch.randn((E, 2 * I, H), generator=gen, device="cuda") * H ** -0.5).bfloat16()
+        w2 = (torch.randn((E, H, I), generator=gen, device="cuda") * I ** -0.5).bfloat16()
+        for T in MOE_TOKENS:
+            x = torch.randn((T, H), generator=gen, device="cuda").bfloat16()
+            weights, ids = moe.route(torch.randn((T, E), generator=gen, device="cuda"), k)
+            for check in (True, False):
+                fn = (lambda: moe.fused_moe(x, w13, w2, weights, ids, check_ids=check))
+                row = dict(base, op="fused_moe", shape=name, tokens=T, check=check,
+                           host_us=host_us(fn), eager_us=eager_us(fn), launches=count_launches(fn))
+                if not check:
+                    row["graph_us"] = graph_us(fn)
+                rows.append(row)
+        del w13, w2
+        torch.cuda.empty_cache()
+    return rows
+
+
+def lce_rows(base):
+    from hopperkern import lce
+
+    H, V = LCE_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn((V, H), generator=gen, device="cuda") * H ** -0.5).bfloat16().requires_grad_()
+    rows = []
+    for N in LCE_TOKENS:
+        h = torch.randn((N, H), generator=gen, device="cuda").bfloat16().requires_grad_()
+        y = torch.randint(0, V, (N,), generator=gen, device="cuda")
+        g = torch.randn((N,), generator=gen, device="cuda")
+        for check in (True, False):
+            def fwd():
+                with torch.no_grad():
+                    return lce.linear_logprobs_entropy(h, w, y, check_labels=check)
+
+            def fwd_bwd():
+                lp, ent = lce.linear_logprobs_entropy(h, w, y, check_labels=check)
+                return torch.autograd.grad((lp, ent), (h, w), (g, g))
+
+            for op, fn in (("lce.forward", fwd), ("lce.forward+backward", fwd_bwd)):
+                row = dict(base, op=op, shape=f"{H}x{V}", tokens=N, check=check, host_us=host_us(fn, 50),
+                           eager_us=eager_us(fn, 50), launches=count_launches(fn))
+                if not check:
+                    row["graph_us"] = graph_us(fn, 20)
+                rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="two MoE shapes")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_host: no CUDA GPU, nothing to time")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    meta = run_meta()
+    base = dict(meta, **baselines())
+    print(json.dumps({k: base[k] for k in ("device", "git_sha", "trivial_triton_us", "small_torch_us")}))
+    rows = moe_rows(base, args.quick) + lce_rows(base)
+    for r in rows:
+        r["host_in_trivial_launches"] = r["host_us"] / r["trivial_triton_us"]
+        r["target_trivial_launches"] = r["launches"] + 1
+        if r.get("graph_us"):
+            r["eager_over_graph"] = r["eager_us"] / r["graph_us"]
+    tag = meta["device"].replace(" ", "_")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / f"host_{tag}.csv", rows)
+    t = Table(title=f"Host cost per eager call (trivial Triton launch {base['trivial_triton_us']:.1f} us, small torch "
+                    f"op {base['small_torch_us']:.1f} us, same run)")
+    for col in ("op", "shape", "tokens", "check", "launches", "host us", "host / trivial", "target", "eager us",
+                "graph us", "eager / graph"):
+        t.add_column(col)
+    for r in rows:
+        f = (lambda key, fmt: (fmt % r[key]) if r.get(key) is not None else "-")
+        t.add_row(r["op"], r["shape"], str(r["tokens"]), str(r["check"]), str(r["launches"]), f("host_us", "%.0f"),
+                  f("host_in_trivial_launches", "%.1f"), str(r["target_trivial_launches"]), f("eager_us", "%.0f"),
+                  f("graph_us", "%.0f"), f("eager_over_graph", "%.2f"))
+    Console(width=160).print(t)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
