@@ -725,7 +725,7 @@ def _backward_op_args(hidden):
     _, lp, ent, lse = lce_forward_op(*_op_args("lce_forward", hidden=hidden(inp.hidden), weight=inp.weight,
                                                labels=inp.labels, bias=None, need_entropy=True, check=True, **opts))
     return _op_args("lce_backward", hidden=hidden(inp.hidden), weight=inp.weight, labels=inp.labels, bias=None,
-                    lse=lse, entropy=ent, zlab=lp + lse, g_loss=upstream((5,)), g_logprob=None,
+                    lse=lse, entropy=ent, zlab=None, logprob=lp, g_loss=upstream((5,)), g_logprob=None,
                     g_entropy=upstream((5,), seed=2), g_lse=None, need_hidden_grad=True, need_weight_grad=True,
                     **opts)
 
@@ -748,6 +748,61 @@ def test_backward_op_fake_strides_transposed_hidden():
     """opcheck's fake-tensor test with a transposed hidden: fake and real d_hidden must have the same strides."""
     args = _backward_op_args(lambda h: h.t().contiguous().t())
     torch.library.opcheck(lce_backward_op, args, test_utils=("test_faketensor",))
+
+
+def _tiny_backward():
+    """A tiny problem (N=5, V=20, H=16, softcap 3) after its forward: ``(call, logprob)``, where ``call(**kw)`` runs
+    lce_backward with upstream grads of the loss and the entropy and the forward's log-prob, ``kw`` replacing any
+    of those (``g_loss``, ``g_logprob``, ``g_entropy``, ``g_lse``, ``logprob``) or adding ``zlab``."""
+    inp = make_inputs((5, 20, 16))
+    opts = launch.LceOptions(softcap=3.0, tma="never")
+    _, lp, ent, lse = launch.lce_forward(inp.hidden, inp.weight, inp.labels, None, opts)
+    defaults = dict(g_loss=upstream((5,)), g_logprob=None, g_entropy=upstream((5,), seed=2), g_lse=None, logprob=lp)
+
+    def call(**kw):
+        kw = {**defaults, **kw}
+        grads = [kw.pop(k) for k in ("g_loss", "g_logprob", "g_entropy", "g_lse")]
+        return launch.lce_backward(inp.hidden, inp.weight, inp.labels, None, lse, ent, *grads, opts, **kw)
+
+    return call, lp
+
+
+LOGPROB_ERRORS = [
+    pytest.param("g_loss", lambda lp: None, ValueError, "logprob must be given when g_loss or g_logprob is",
+                 id="missing, g_loss"),
+    pytest.param("g_logprob", lambda lp: None, ValueError, "logprob must be given when g_loss or g_logprob is",
+                 id="missing, g_logprob"),
+    pytest.param("g_loss", lambda lp: lp.double(), TypeError, "logprob must be float32, got float64", id="float64"),
+    pytest.param("g_loss", lambda lp: lp[:4], ValueError,
+                 "logprob must be a contiguous (5,) tensor (one per token), got shape (4,) and strides (1,)",
+                 id="short"),
+    pytest.param("g_logprob", lambda lp: torch.stack([lp, lp], 1)[:, 0], ValueError,
+                 "logprob must be a contiguous (5,) tensor (one per token), got shape (5,) and strides (2,)",
+                 id="strided"),
+]
+
+
+@pytest.mark.parametrize("grad, change, exc, match", LOGPROB_ERRORS)
+def test_backward_logprob_errors(grad, change, exc, match):
+    """With an upstream grad of the loss or the log-prob (a label term), lce_backward needs the forward's
+    contiguous fp32 [N] log-prob: a missing or malformed one raises before anything is allocated or launched."""
+    call, lp = _tiny_backward()
+    before = tma.last_decision(BWD)
+    with pytest.raises(exc, match=re.escape(match)):
+        call(**{"g_loss": None, grad: upstream((5,))}, logprob=change(lp))
+    assert tma.last_decision(BWD) is before, "the backward got as far as its memory-path decision"
+
+
+def test_backward_logprob_only_for_label_terms():
+    """Upstream grads of the entropy and the LSE only (no label term): no logprob is needed and the grads equal
+    those of a call given it. Passing the deprecated ``zlab`` warns."""
+    call, lp = _tiny_backward()
+    no_label = dict(g_loss=None, g_lse=upstream((5,), seed=3))
+    d_h, d_w, _ = call(**no_label, logprob=None)
+    want_h, want_w, _ = call(**no_label)
+    assert torch.equal(d_h, want_h) and torch.equal(d_w, want_w)
+    with pytest.warns(DeprecationWarning, match="zlab is deprecated and ignored"):
+        call(g_loss=None, g_entropy=None, zlab=lp)  # no upstream grads: zeros without a launch
 
 
 _BF16_OK = DEVICE != "cpu" or hasattr(conftest, "_patch_interpreter_bf16")
