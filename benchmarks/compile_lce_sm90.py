@@ -54,6 +54,12 @@ def main() -> int:
                           HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False, NUM_PROGRAMS=132, FLATTEN=fl,
                           H_TMA=tma, W_TMA=tma, D_TMA=tma, DOT_PRECISION="tf32"),
                      w, st)
+    for softcap in (False, True):
+        comp(f"lce_onehot   softcap={int(softcap)}", K.lce_onehot_kernel,
+             dict(labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32",
+                  gz_ptr="fp32", logprob_ptr="fp32", d_ptr="bf16", N=N, V=V, col_begin=0, ncols=8192,
+                  stride_dn=8192, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=30.0, inv_temp=1.0),
+             dict(BLOCK_N=128, SOFTCAP=softcap, HAS_GL=True, HAS_GP=True, HAS_GE=True, HAS_GZ=True), 4, 1)
     for tma in (False, True):
         comp(f"matmul 64x64x32 tma={int(tma)}", _matmul_kernel,
              dict(a_ptr="bf16", b_ptr="bf16", c_ptr="bf16", M=1024, N=1024, K=1024, stride_am=1024, stride_ak=1,

@@ -59,7 +59,7 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
     for N in buckets:
         h = (torch.randn(N, H, device=device) * H**-0.5).to(dtype)
         y = torch.randint(0, V, (N,), device=device)
-        _, _, ent, lse = lce_forward(h, w, y, None, opts)
+        _, lp, ent, lse = lce_forward(h, w, y, None, opts)
         g = torch.randn(N, device=device)
         # fp32 torch reference on CHECK_ROWS tokens spread over every row block: the LSE and d_hidden of
         # sum(g * logprob), i.e. (g * (onehot(y) - softmax(z))) @ w.
@@ -80,12 +80,12 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
             else:
                 def run(cfg):
                     # d(logits) kernels only: the cuBLAS GEMMs after them do not depend on the config.
-                    return lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts, need_weight_grad=False,
-                                        need_hidden_grad=False, config=cfg)
+                    return lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts, logprob=lp,
+                                        need_weight_grad=False, need_hidden_grad=False, config=cfg)
 
                 def check(cfg):
-                    d_h = lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts, need_weight_grad=False,
-                                       config=cfg)[0]
+                    d_h = lce_backward(h, w, y, None, lse, ent, None, g, None, None, opts, logprob=lp,
+                                       need_weight_grad=False, config=cfg)[0]
                     return rel_err(d_h[sel], ref_dh)
             # fp32 LSE of exact bf16 products: only summation order differs (~1e-6); d_hidden is rounded to bf16.
             best = pick_fastest(candidates or LCE_CANDIDATES, run, time_fn or _bench, log=log,
@@ -94,7 +94,7 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
             if best is not None:
                 result.setdefault(tuning.lce_key(phase, dtype, H), {})[str(N)] = best[1]
                 log(f"lce {phase} H={H} N={N}: best {best[1].model_dump()} {best[0]:.3f} ms")
-        del h, y, ent, lse, g, ref_lse, ref_dh
+        del h, y, lp, ent, lse, g, ref_lse, ref_dh
 
 
 def merge_into_file(path: Path, *, lce: dict | None = None, moe: dict | None = None,

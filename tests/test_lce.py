@@ -10,6 +10,7 @@ compiled kernels; bf16 at real vocab sizes lives in test_lce_gpu.py, which impor
 
 import contextlib
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -55,18 +56,32 @@ class Inputs:
         return self.labels != self.ignore_index
 
 
+CENTER_WEIGHT = 1.0  # make_inputs(centered=True): weight column 0
+
+
 def make_inputs(shape, dtype=torch.float32, *, bias=False, ignore=0.0, ignore_index=-100, seed=0, device=DEVICE,
-                logit_std=2.0):
+                logit_std=2.0, confident=None, centered=False, softcap=None, temperature=1.0):
     """hidden [N, H], weight [V, H] (logits of std ~logit_std), optional bias [V], labels [N], made on ``device``.
 
     Labels 0 and V-1 (first and tail vocab tile) are always present; with ``ignore`` > 0 about that fraction of
-    the tokens, and at least the last one, is ``ignore_index`` (the first stays kept).
+    the tokens, and at least the last one, is ``ignore_index`` (the first stays kept). With ``confident=(lo, hi)``
+    every kept token's label probability under the final logits (``softcap``, ``temperature``, bias) lies in
+    [lo, hi], checked in fp64 on the rounded inputs; ignored tokens keep their random hidden rows.
+
+    ``centered`` (with ``confident``, no softcap) gives every weight row the component CENTER_WEIGHT in column 0
+    (a direction all rows share, as in trained LM heads) and sets each kept token's hidden[:, 0] so that its
+    label's raw logit is ~0 rather than ~ln(V / (1 - p)) ~ 20: softmax does not change, but a 16-bit rounding of
+    the logits (plain torch's) then keeps p - 1 to ~1e-3 instead of bf16's ~3e-2 at 20, a tighter bar.
     """
+    if centered and (not confident or softcap):
+        raise ValueError("centered needs confident=(lo, hi) and no softcap (a softcap is not shift-invariant)")
     N, V, H = shape
     g = torch.Generator(device=device).manual_seed(seed)
     kw = dict(device=device, generator=g)
-    hidden = torch.randn(N, H, **kw).to(dtype)
+    hidden = torch.randn(N, H, **kw)
     weight = (torch.randn(V, H, **kw) * (logit_std / H**0.5)).to(dtype)
+    if centered:
+        weight[:, 0] = CENTER_WEIGHT
     b = torch.randn(V, **kw).to(dtype) if bias else None
     labels = torch.randint(0, V, (N,), **kw)
     labels[: min(N, 2)] = torch.tensor([0, V - 1], device=device)[: min(N, 2)]
@@ -74,7 +89,67 @@ def make_inputs(shape, dtype=torch.float32, *, bias=False, ignore=0.0, ignore_in
         drop = torch.rand(N, **kw) < ignore
         drop[0], drop[-1] = False, True
         labels[drop] = ignore_index
-    return Inputs(hidden, weight, b, labels, ignore_index)
+    inp = Inputs(hidden, weight, b, labels, ignore_index)
+    if confident:
+        hidden = _confident_hidden(inp, confident, softcap, temperature, g)
+    if centered:
+        kept, lab = inp.kept, inp.labels[inp.kept]
+        z_lab = (hidden[kept] * weight[lab].double()).sum(-1) + (0.0 if b is None else b[lab].double())
+        hidden[kept, 0] -= z_lab / CENTER_WEIGHT
+    inp.hidden = hidden.to(dtype)
+    if confident:
+        p = label_probs(inp, softcap=softcap, temperature=temperature)
+        lo, hi = confident
+        assert p.numel() and lo <= p.min() and p.max() <= hi, \
+            f"confident batch: p_label in [{p.min():.6f}, {p.max():.6f}], wanted [{lo}, {hi}]"
+    return inp
+
+
+def label_probs(inp, *, softcap=None, temperature=1.0):
+    """fp64 softmax probability of the label of every kept token of ``inp``, under the final logits."""
+    z = ref.reference_logits(inp.hidden, inp.weight, inp.bias, softcap, temperature)
+    kept = inp.kept
+    return torch.log_softmax(z[kept], -1).gather(1, inp.labels[kept][:, None])[:, 0].exp()
+
+
+def _confident_hidden(inp, p_range, softcap, temperature, generator):
+    """fp64 hidden whose kept rows are moved by alpha * u, so that p_label hits a per-token target drawn
+    log-uniformly in 1 - p, a factor 2 inside ``p_range`` on each side to leave room for rounding hidden.
+
+    u raises the raw label logit by exactly alpha and every other logit j by alpha * <w_j, u>; of those u, the one
+    along (W^T W)^-1 w[label] keeps sum_j <w_j, u>^2 least, so that with few hidden dims the other logits rise
+    slowly enough for a softcap to leave p_label near 1 reachable (a small ridge keeps W^T W invertible)."""
+    kept, w = inp.kept, inp.weight.double()
+    lab = inp.labels[kept]
+    gram = w.T @ w
+    gram += torch.eye(len(gram), dtype=gram.dtype, device=gram.device) * (1e-3 * gram.trace() / len(gram))
+    u = torch.linalg.solve(gram, w[lab].T).T
+    u /= (u * w[lab]).sum(-1, keepdim=True)
+    z0, slope = inp.hidden[kept].double() @ w.T, u @ w.T  # raw logits at alpha = 0 and their rate in alpha
+    lo, hi = math.log(2 * (1 - p_range[1])), math.log((1 - p_range[0]) / 2)
+    q = torch.empty(len(lab), dtype=torch.float64, device=w.device).uniform_(lo, hi, generator=generator)
+    target = torch.log1p(-q.exp())
+
+    def log_p(alpha):
+        z = ref.final_logits(z0 + alpha[:, None] * slope, inp.bias, softcap, temperature)
+        return torch.log_softmax(z, -1).gather(1, lab[:, None])[:, 0]
+
+    # log p_label rises with alpha until a softcap saturates the competitors too (then it falls): take the first
+    # point of a grid that reaches the target, and bisect between it and the grid point before.
+    grid = torch.arange(-20.0, 80.0, 0.5, dtype=torch.float64, device=w.device)
+    first = torch.full_like(q, -1, dtype=torch.long)
+    for k, a in enumerate(grid):
+        first = torch.where((first < 0) & (log_p(a.expand_as(q)) >= target), k, first)
+    if (first <= 0).any():
+        raise ValueError(f"confident={p_range}: some label probability is not reachable on the grid")
+    a_lo, a_hi = grid[first - 1], grid[first]
+    for _ in range(40):
+        mid = (a_lo + a_hi) / 2
+        below = log_p(mid) < target
+        a_lo, a_hi = torch.where(below, mid, a_lo), torch.where(below, a_hi, mid)
+    hidden = inp.hidden.double().clone()
+    hidden[kept] += a_hi[:, None] * u
+    return hidden
 
 
 def upstream(shape, seed=1, device=DEVICE):
@@ -209,10 +284,14 @@ class Case:
     reduction: str = "mean"
     bias: bool = False
     ignore: float = 0.0
+    confident: tuple | None = None  # (lo, hi): p_label of every kept token lies in [lo, hi]
+    centered: bool = False  # with confident: label logits ~0 (see make_inputs)
 
     def inputs(self, shape=SHAPE, dtype=torch.float32):
         return make_inputs(shape, dtype, bias=self.bias, ignore=self.ignore,
-                           ignore_index=self.options.get("ignore_index", -100))
+                           ignore_index=self.options.get("ignore_index", -100), confident=self.confident,
+                           centered=self.centered, softcap=self.options.get("softcap"),
+                           temperature=self.options.get("temperature", 1.0))
 
     def ups(self, shape=SHAPE):
         return [upstream((shape[0],) if self.reduction == "none" else ())]
@@ -290,23 +369,91 @@ def test_linear_cross_entropy_fp32(case, mode):
 
 
 FP16_CASES = [c for c in CASES if c.name in ("plain", "all/none")]
+CONFIDENT = (0.99, 0.9999)  # p_label of every kept token of a confident batch
+# A confident token's loss (and log-prob) is ~1e-3, which the kernels form as z_label - lse from two fp32 sums of
+# size ~|z| (the label's row dot, the LSE): ~1e-6 off per token, ~1e-3 of its value, up to ~2e-4 of a small batch's
+# mean. Plain torch's per-token errors from 16-bit logits are as large or larger, but its error on one scalar can
+# by chance be far smaller (or its logits nearly exact, with label logits ~0), so outputs get this absolute floor.
+CONFIDENT_LOSS_ATOL = 2e-4
+CONFIDENT_ALL = dict(ALL, softcap=30.0)  # softcap 3 caps p_label below 0.99 at V=100; Gemma-2 uses 30
+CONFIDENT_CASES = [
+    Case("confident/mean", "p_label -> 1: d(logits) at the label is p - 1, lost if p is rounded before the 1 is "
+         "subtracted", ignore=0.2, confident=CONFIDENT),
+    Case("confident/sum", "the same under reduction='sum'", reduction="sum", ignore=0.2, confident=CONFIDENT),
+    Case("confident/none", "per-token upstream grads of both signs", reduction="none", ignore=0.2,
+         confident=CONFIDENT),
+    Case("confident/label_smoothing", "p - (1 - eps) - eps/V at the label, p - eps/V elsewhere",
+         dict(label_smoothing=0.1), ignore=0.2, confident=CONFIDENT),
+    Case("confident/z_loss", "p (1 + 2 z_loss lse) - 1 at the label", dict(z_loss=0.02), reduction="none",
+         ignore=0.2, confident=CONFIDENT),
+    Case("confident/softcap", "(1 - tanh^2) at the label from the forward's z_label", dict(softcap=30.0),
+         ignore=0.2, confident=CONFIDENT),
+    Case("confident/temperature", "1/T on the label column as on the others", dict(temperature=0.7),
+         reduction="sum", ignore=0.2, confident=CONFIDENT),
+    Case("confident/all", "every option + bias + per-token upstream grads", CONFIDENT_ALL, bias=True,
+         reduction="none", ignore=0.2, confident=CONFIDENT),
+    Case("confident/centered", "label logits ~0: torch's fp16 logits keep p - 1, so its error is the output "
+         "rounding alone, the tightest bar (the GPU's bf16 batches)", bias=True, reduction="none", ignore=0.2,
+         confident=CONFIDENT, centered=True),
+]
+
+
+def check_no_worse(mode, kernel_fn, ref_fn, base_fn, inp, ups, names, *, out_atol=1e-5):
+    """Run ``kernel_fn`` (asserting it takes memory path ``mode``), ``ref_fn`` in fp64 and ``base_fn`` (plain
+    PyTorch in the inputs' precision) on the same rounded inputs and upstream grads: the kernel's outputs (fp32,
+    called ``names``; ``out_atol`` added to their bar) and grads (in the inputs' dtype) are each within 2x torch's
+    error of fp64."""
+    with expect_path(mode):
+        outs, grads = run(kernel_fn, inp, ups)
+    want, want_grads = run(ref_fn, inp, ups, dtype=torch.float64)
+    base, base_grads = run(base_fn, inp, ups)
+    for name, o, b, w in zip(names, outs, base, want):
+        assert o.dtype == torch.float32, name
+        assert_no_worse(name, o, b, w, atol=out_atol)
+    for name, g, b, w in zip(("d_hidden", "d_weight", "d_bias"), grads, base_grads, want_grads):
+        if w is not None:
+            assert g.dtype == inp.hidden.dtype, name
+            assert_no_worse(name, g, b, w)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", FP16_CASES, **CASE_IDS)
+@pytest.mark.parametrize("case", FP16_CASES + CONFIDENT_CASES, **CASE_IDS)
 def test_linear_cross_entropy_fp16_no_worse_than_torch(case, mode):
-    """fp16 loss and grads are within 2x plain PyTorch's fp16 error (logits from an fp16 GEMM) of fp64."""
+    """fp16 loss and grads are within 2x plain PyTorch's fp16 error (logits from an fp16 GEMM) of fp64, also for
+    confident predictions, where d(logits) at the label must be formed in fp32 and rounded to fp16 once."""
+    check_no_worse(mode, case.fn(lce.linear_cross_entropy, tma=mode), case.fn(ref.linear_cross_entropy),
+                   case.fn(torch_lowp_cross_entropy), case.inputs(dtype=torch.float16), case.ups(), ("loss",),
+                   out_atol=CONFIDENT_LOSS_ATOL if case.confident else 1e-5)
+
+
+def _confident_case(name):
+    return next(c for c in CONFIDENT_CASES if c.name == name)
+
+
+@pytest.mark.parametrize("name", ["confident/mean", "confident/all", "confident/centered"])
+def test_torch_baseline_is_right_for_confident_predictions(name):
+    """The bar of the confident tests means something: torch's fp16 baseline (fp32 cross-entropy, d(logits) cast
+    to fp16 once in F.linear's backward) has grads within 1e-2 of fp64."""
+    case = _confident_case(name)
     inp, ups = case.inputs(dtype=torch.float16), case.ups()
-    with expect_path(mode):
-        (loss,), grads = run(case.fn(lce.linear_cross_entropy, tma=mode), inp, ups)
-    (want,), want_grads = run(case.fn(ref.linear_cross_entropy), inp, ups, dtype=torch.float64)
-    (base,), base_grads = run(case.fn(torch_lowp_cross_entropy), inp, ups)
-    assert loss.dtype == torch.float32
-    assert_no_worse("loss", loss, base, want)
-    for name, g, b, w in zip(("d_hidden", "d_weight", "d_bias"), grads, base_grads, want_grads):
-        if w is not None:
-            assert g.dtype == torch.float16, name
-            assert_no_worse(name, g, b, w)
+    _, want_grads = run(case.fn(ref.linear_cross_entropy), inp, ups, dtype=torch.float64)
+    _, base_grads = run(case.fn(torch_lowp_cross_entropy), inp, ups)
+    errs = [rel_err(b, w) for b, w in zip(base_grads, want_grads) if w is not None]
+    assert max(errs) < 1e-2, errs
+
+
+def test_confident_batch_exposes_double_rounding():
+    """The confident batches discriminate: d(logits) = g (p - onehot) rounded to fp16 once as p g and again after
+    the label's -g is added gives a d_hidden more than 5x as far from fp64 as torch's."""
+    case = _confident_case("confident/mean")
+    inp, ups = case.inputs(dtype=torch.float16), case.ups()
+    _, (want, _, _) = run(case.fn(ref.linear_cross_entropy), inp, ups, dtype=torch.float64)
+    _, (base, _, _) = run(case.fn(torch_lowp_cross_entropy), inp, ups)
+    z = ref.reference_logits(inp.hidden, inp.weight)
+    g = (ups[0].double() / inp.kept.sum() * inp.kept)[:, None]  # upstream grad of each token's loss (mean)
+    onehot = F.one_hot(inp.labels.clamp(min=0), z.shape[1]) * g
+    twice = ((torch.softmax(z, -1) * g).half().double() - onehot).half().double()
+    assert rel_err(twice @ inp.weight.double(), want) > 5 * rel_err(base, want)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -522,6 +669,37 @@ def test_logprobs_entropy(grads_on, mode):
     assert (ignored_rows > 0).all() if grads_on != "logprobs" else not ignored_rows.any()
 
 
+def _confident_rl_batch(grads_on="both"):
+    """A confident fp16 batch at temperature 0.7 and random per-token upstream grads of the log-probs (and of the
+    entropies with ``grads_on="both"``), zero at ignored tokens as under an RL trainer's loss mask (the entropy
+    grads of unmasked ignored tokens, far from confident, would dominate d_hidden)."""
+    inp = make_inputs(SHAPE, torch.float16, ignore=0.2, confident=CONFIDENT, temperature=0.7)
+    mask = inp.kept.float()
+    ups = [upstream((SHAPE[0],), seed=2) * mask, upstream((SHAPE[0],), seed=3) * mask]
+    return inp, ups if grads_on == "both" else ups[:1] + [None]
+
+
+def test_logprobs_entropy_baseline_is_right_for_confident_predictions():
+    """torch's fp16 log-prob/entropy baseline has grads within 1e-2 of fp64 on a confident batch."""
+    inp, ups = _confident_rl_batch()
+    _, want_grads = run(call(ref.linear_logprobs_entropy, temperature=0.7), inp, ups, dtype=torch.float64)
+    _, base_grads = run(call(torch_lowp_logprobs_entropy, temperature=0.7), inp, ups)
+    errs = [rel_err(b, w) for b, w in zip(base_grads, want_grads) if w is not None]
+    assert max(errs) < 1e-2, errs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grads_on", ["both", "logprobs"])
+def test_logprobs_entropy_fp16_confident(grads_on, mode):
+    """Confident fp16 batch (p_label in [0.99, 0.9999]): log-probs, entropies and grads within 2x torch's fp16
+    error of fp64. The log-prob gradient at the label is g (1 - p): formed in fp32 and rounded once."""
+    inp, ups = _confident_rl_batch(grads_on)
+    check_no_worse(mode, call(lce.linear_logprobs_entropy, temperature=0.7, tma=mode),
+                   call(ref.linear_logprobs_entropy, temperature=0.7),
+                   call(torch_lowp_logprobs_entropy, temperature=0.7), inp, ups, ("logprob", "entropy"),
+                   out_atol=CONFIDENT_LOSS_ATOL)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_logprobs_entropy_no_grad(mode):
     """Under torch.no_grad (reference / old-policy passes) the values equal the differentiable call's."""
@@ -725,7 +903,7 @@ def _backward_op_args(hidden):
     _, lp, ent, lse = lce_forward_op(*_op_args("lce_forward", hidden=hidden(inp.hidden), weight=inp.weight,
                                                labels=inp.labels, bias=None, need_entropy=True, check=True, **opts))
     return _op_args("lce_backward", hidden=hidden(inp.hidden), weight=inp.weight, labels=inp.labels, bias=None,
-                    lse=lse, entropy=ent, zlab=lp + lse, g_loss=upstream((5,)), g_logprob=None,
+                    lse=lse, entropy=ent, zlab=None, logprob=lp, g_loss=upstream((5,)), g_logprob=None,
                     g_entropy=upstream((5,), seed=2), g_lse=None, need_hidden_grad=True, need_weight_grad=True,
                     **opts)
 
@@ -748,6 +926,61 @@ def test_backward_op_fake_strides_transposed_hidden():
     """opcheck's fake-tensor test with a transposed hidden: fake and real d_hidden must have the same strides."""
     args = _backward_op_args(lambda h: h.t().contiguous().t())
     torch.library.opcheck(lce_backward_op, args, test_utils=("test_faketensor",))
+
+
+def _tiny_backward():
+    """A tiny problem (N=5, V=20, H=16, softcap 3) after its forward: ``(call, logprob)``, where ``call(**kw)`` runs
+    lce_backward with upstream grads of the loss and the entropy and the forward's log-prob, ``kw`` replacing any
+    of those (``g_loss``, ``g_logprob``, ``g_entropy``, ``g_lse``, ``logprob``) or adding ``zlab``."""
+    inp = make_inputs((5, 20, 16))
+    opts = launch.LceOptions(softcap=3.0, tma="never")
+    _, lp, ent, lse = launch.lce_forward(inp.hidden, inp.weight, inp.labels, None, opts)
+    defaults = dict(g_loss=upstream((5,)), g_logprob=None, g_entropy=upstream((5,), seed=2), g_lse=None, logprob=lp)
+
+    def call(**kw):
+        kw = {**defaults, **kw}
+        grads = [kw.pop(k) for k in ("g_loss", "g_logprob", "g_entropy", "g_lse")]
+        return launch.lce_backward(inp.hidden, inp.weight, inp.labels, None, lse, ent, *grads, opts, **kw)
+
+    return call, lp
+
+
+LOGPROB_ERRORS = [
+    pytest.param("g_loss", lambda lp: None, ValueError, "logprob must be given when g_loss or g_logprob is",
+                 id="missing, g_loss"),
+    pytest.param("g_logprob", lambda lp: None, ValueError, "logprob must be given when g_loss or g_logprob is",
+                 id="missing, g_logprob"),
+    pytest.param("g_loss", lambda lp: lp.double(), TypeError, "logprob must be float32, got float64", id="float64"),
+    pytest.param("g_loss", lambda lp: lp[:4], ValueError,
+                 "logprob must be a contiguous (5,) tensor (one per token), got shape (4,) and strides (1,)",
+                 id="short"),
+    pytest.param("g_logprob", lambda lp: torch.stack([lp, lp], 1)[:, 0], ValueError,
+                 "logprob must be a contiguous (5,) tensor (one per token), got shape (5,) and strides (2,)",
+                 id="strided"),
+]
+
+
+@pytest.mark.parametrize("grad, change, exc, match", LOGPROB_ERRORS)
+def test_backward_logprob_errors(grad, change, exc, match):
+    """With an upstream grad of the loss or the log-prob (a label term), lce_backward needs the forward's
+    contiguous fp32 [N] log-prob: a missing or malformed one raises before anything is allocated or launched."""
+    call, lp = _tiny_backward()
+    before = tma.last_decision(BWD)
+    with pytest.raises(exc, match=re.escape(match)):
+        call(**{"g_loss": None, grad: upstream((5,))}, logprob=change(lp))
+    assert tma.last_decision(BWD) is before, "the backward got as far as its memory-path decision"
+
+
+def test_backward_logprob_only_for_label_terms():
+    """Upstream grads of the entropy and the LSE only (no label term): no logprob is needed and the grads equal
+    those of a call given it. Passing the deprecated ``zlab`` warns."""
+    call, lp = _tiny_backward()
+    no_label = dict(g_loss=None, g_lse=upstream((5,), seed=3))
+    d_h, d_w, _ = call(**no_label, logprob=None)
+    want_h, want_w, _ = call(**no_label)
+    assert torch.equal(d_h, want_h) and torch.equal(d_w, want_w)
+    with pytest.warns(DeprecationWarning, match="zlab is deprecated and ignored"):
+        call(g_loss=None, g_entropy=None, zlab=lp)  # no upstream grads: zeros without a launch
 
 
 _BF16_OK = DEVICE != "cpu" or hasattr(conftest, "_patch_interpreter_bf16")

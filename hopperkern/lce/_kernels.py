@@ -246,8 +246,9 @@ def lce_dlogits_kernel(
         dz = p * (A + B z) + C [j == label] + D,
         A = kept (g_loss (1 + 2 z_loss lse) - g_logprob) + g_entropy E + g_lse,   B = -g_entropy,
         C = kept (g_logprob - g_loss (1 - eps)),                                 D = -kept g_loss eps / V,
-    then d raw = dz / temperature * (1 - tanh^2) (the tanh factor only with softcap). The C term touches one
-    column per row; lce_onehot_kernel adds it afterwards, keeping a compare-select out of every tile.
+    then d raw = dz / temperature * (1 - tanh^2) (the tanh factor only with softcap), formed in fp32 and rounded
+    once to d's dtype. The C term touches one column per row: rather than a compare-select in every tile, the label
+    column gets p (A + B z) + D here and lce_onehot_kernel overwrites it afterwards (when C can be nonzero).
     """
     tl.static_assert(BLOCK_V >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
@@ -283,14 +284,25 @@ def lce_dlogits_kernel(
 @triton.jit
 def lce_onehot_kernel(
     labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # as in lce_dlogits_kernel
-    zlab_ptr,  # [N] fp32 final logit of the label (only read with SOFTCAP)
-    d_ptr,  # [N, ld_d] the slice written by lce_dlogits_kernel; updated in place
+    logprob_ptr,  # [N] fp32 log p of the label from the forward (z_label - lse, formed once in fp32)
+    d_ptr,  # [N, ld_d] the slice written by lce_dlogits_kernel; its label entries are overwritten
     N, V, col_begin, ncols, stride_dn, ignore_index, label_smoothing, z_loss, softcap, inv_temp,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
 ):
-    """Add the one-hot term C / temperature (* (1 - tanh^2) at the label) to d[n, label[n] - col_begin] for the
-    labels inside this slice. Grid (cdiv(N, BLOCK_N),); each row touches at most one element."""
+    """Write the whole label entry d[n, label[n] - col_begin] = (p (A + B z) + C + D) / temperature
+    (* (1 - tanh^2) with softcap) of each kept token whose label lies in this slice, formed in fp32 from the
+    forward's per-token statistics and rounded ONCE to d's dtype. Grid (cdiv(N, BLOCK_N),); one program = BLOCK_N
+    rows, each touching at most one element.
+
+    Why overwrite rather than add C to the entry that lce_dlogits_kernel stored: that entry is already rounded,
+    and for a confident prediction (p -> 1, C = -g) round(p) - 1 keeps little or nothing of p - 1, the whole
+    gradient at the label (the spacing just below 1 is 4.9e-4 in fp16, 3.9e-3 in bf16). p = exp(logprob) takes
+    the forward's fp32 log-prob rather than exp(z - lse) of a re-added z, so p - 1 does not inherit the rounding
+    of logprob + lse; z = logprob + lse only feeds the entropy term B z and the softcap factor, where its
+    ~ulp(lse) error is harmless. What remains is the log-prob's own absolute error (fp32 sums of size ~|z|,
+    ~1e-6), i.e. a relative error of ~1e-6 / (1 - p) in p - 1.
+    """
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     labels, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
@@ -298,10 +310,12 @@ def lce_onehot_kernel(
                                                 HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
     col = labels - col_begin
     here = row_ok & (labels != ignore_index) & (col >= 0) & (col < ncols)
-    add = c * inv_temp
+    logp = tl.load(logprob_ptr + rows, mask=here, other=0.0)
+    p = tl.exp(logp)
+    z = logp + lse
+    # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32.
+    dz = p * (a * inv_temp + (b * inv_temp) * z) + d * inv_temp + c * inv_temp
     if SOFTCAP:
-        th = tl.load(zlab_ptr + rows, mask=here, other=0.0) / (softcap * inv_temp)
-        add = add * (1.0 - th * th)
-    ptrs = d_ptr + rows.to(tl.int64) * stride_dn + col
-    old = tl.load(ptrs, mask=here, other=0.0).to(tl.float32)
-    tl.store(ptrs, (old + add).to(d_ptr.dtype.element_ty), mask=here)
+        th = z / (softcap * inv_temp)
+        dz = dz * (1.0 - th * th)
+    tl.store(d_ptr + rows.to(tl.int64) * stride_dn + col, dz.to(d_ptr.dtype.element_ty), mask=here)

@@ -7,13 +7,15 @@ Lower-level public entry points (documented here, used by :mod:`hopperkern.lce.a
 
 Backward strategy: the vocab is cut into slices of ``Vs`` columns. For each slice a Triton kernel recomputes
 the logits tile by tile and writes d(logits) for all N tokens into a bounded buffer ([N, Vs], at most
-``DLOGITS_BUDGET`` bytes); then ``d_weight[slice] = dlogits^T @ h`` is ONE GEMM over all tokens (fp32
+``DLOGITS_BUDGET`` bytes), each entry formed in fp32 and rounded once (a second small kernel rewrites the label
+column from the forward's log-prob); then ``d_weight[slice] = dlogits^T @ h`` is ONE GEMM over all tokens (fp32
 accumulation inside the GEMM, written once), and ``d_hidden += dlogits @ w[slice]`` accumulates in an fp32
 [N, H] buffer. No gradient piece is ever summed in bf16/fp16.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -237,21 +239,49 @@ def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
+def _check_logprob(logprob, N: int) -> None:
+    if logprob is None:
+        raise ValueError("logprob must be given when g_loss or g_logprob is (the forward's fp32 log-prob: the "
+                         "label column of d(logits) is formed from it), got None")
+    check_dtype("logprob", logprob, (torch.float32,))
+    if tuple(logprob.shape) != (N,) or (N > 1 and logprob.stride(0) != 1):
+        raise ValueError(f"logprob must be a contiguous ({N},) tensor (one per token), got shape "
+                         f"{tuple(logprob.shape)} and strides {tuple(logprob.stride())}")
+
+
 def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
-                 opts: LceOptions, *, zlab=None, need_weight_grad: bool = True, need_hidden_grad: bool = True,
-                 config: KernelConfig | None = None):
+                 opts: LceOptions, *, logprob=None, zlab=None, need_weight_grad: bool = True,
+                 need_hidden_grad: bool = True, config: KernelConfig | None = None):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the input dtype.
 
-    ``g_*`` are fp32 [N] upstream gradients of the forward's per-token outputs, or None for zero. ``zlab``
-    (fp32 [N], the label's final logit, ``logprob + lse``) is needed only with softcap.
+    ``lse``, ``entropy`` and ``logprob`` are the forward's fp32 [N] outputs (see :func:`lce_forward`); ``g_*``
+    are fp32 [N] upstream gradients of its per-token outputs, or None for zero. The gradient w.r.t. the final
+    logits z is, as plain PyTorch in fp32 (per-token vectors broadcast over the vocab; p = softmax(z),
+    E = lse - entropy, eps = label smoothing)::
+
+        kept = labels != ignore_index
+        gl, gp = g_loss * kept, g_logprob * kept
+        dz = p * (gl * (1 + 2 * z_loss * lse) - gp + g_entropy * (E - z) + g_lse) - gl * eps / V
+        dz[kept, labels[kept]] += (gp - gl * (1 - eps))[kept]
+
+    then / temperature and * (1 - tanh^2) with softcap; every entry is rounded once to the input dtype.
+
+    ``logprob`` is required when ``g_loss`` or ``g_logprob`` is given. At a confident prediction (p -> 1) the
+    label's entry is ~g (p - 1), lost if p were rounded before the one-hot term is added, so the label column is
+    formed on its own from p = exp(logprob), the forward's fp32 log-prob, and rounded once. ``zlab`` is deprecated
+    and ignored: the label's final logit (for the softcap factor) is ``logprob + lse``.
     Extra memory: fp32 [N, H] for d_hidden's sum over vocab slices plus one [N, Vs] d(logits) slice
     (<= ``DLOGITS_BUDGET`` bytes).
     """
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
-    if opts.softcap and zlab is None:
-        raise ValueError("zlab must be given when softcap is set")
+    label_term = g_loss is not None or g_logprob is not None
+    if label_term:
+        _check_logprob(logprob, N)
+    if zlab is not None:
+        warnings.warn("lce_backward: zlab is deprecated and ignored (the label's logit is logprob + lse)",
+                      DeprecationWarning, stacklevel=2)
     if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
         d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
         d_w = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
@@ -286,10 +316,13 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=dot_precision(dt),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        lce_onehot_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
-            labels1d, lse, entropy, *grads, zlab if zlab is not None else lse, dbuf, N, V, col_begin, ncols,
-            dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=bool(opts.softcap), **flags,
-        )
+        if label_term:
+            # Overwrites the label entries just written (same stream): p (A + B z) + C + D from the forward's
+            # fp32 log-prob, rounded once. Without g_loss and g_logprob, C = 0 and the tile's entry is final.
+            lce_onehot_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
+                labels1d, lse, entropy, *grads, logprob, dbuf, N, V, col_begin, ncols,
+                dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=bool(opts.softcap), **flags,
+            )
         dl = dbuf[:, :ncols]
         if need_weight_grad:
             # One GEMM over all N tokens: fp32 accumulation inside cuBLAS, written once in the weight dtype.

@@ -41,15 +41,18 @@ def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softc
 
 @torch.library.custom_op("hopperkern::lce_backward", mutates_args=())
 def lce_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
-                    entropy: Tensor, zlab: Tensor, g_loss: Optional[Tensor], g_logprob: Optional[Tensor],
+                    entropy: Tensor, zlab: Optional[Tensor], g_loss: Optional[Tensor], g_logprob: Optional[Tensor],
                     g_entropy: Optional[Tensor], g_lse: Optional[Tensor], ignore_index: int, label_smoothing: float,
                     z_loss: float, softcap: float, temperature: float, tma: str, need_hidden_grad: bool,
-                    need_weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(d_hidden, d_weight, d_bias); a gradient that is not needed comes back as an empty tensor."""
+                    need_weight_grad: bool, logprob: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_hidden, d_weight, d_bias); a gradient that is not needed comes back as an empty tensor.
+
+    ``logprob`` (the forward's fp32 log-prob) is required with ``g_loss`` or ``g_logprob``; ``zlab`` is
+    deprecated and ignored (pass None); see :func:`launch.lce_backward`."""
     opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
     g = [x.float().contiguous() if x is not None else None for x in (g_loss, g_logprob, g_entropy, g_lse)]
     with launch_context(hidden, "hopperkern.lce backward"):
-        dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, zlab=zlab,
+        dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, logprob=logprob, zlab=zlab,
                                   need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
     # Custom-op outputs must not alias each other: one fresh empty tensor per missing gradient.
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dh, dw, db))
@@ -57,7 +60,7 @@ def lce_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Option
 
 @lce_backward_op.register_fake
 def _(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_entropy, g_lse, ignore_index,
-      label_smoothing, z_loss, softcap, temperature, tma, need_hidden_grad, need_weight_grad):
+      label_smoothing, z_loss, softcap, temperature, tma, need_hidden_grad, need_weight_grad, logprob=None):
     dh = hidden.new_empty(hidden.shape) if need_hidden_grad else hidden.new_empty((0,))  # contiguous, as real
     dw = weight.new_empty(weight.shape) if need_weight_grad else hidden.new_empty((0,))
     db = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,))
@@ -67,7 +70,7 @@ def _(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_ent
 def _setup_context(ctx, inputs, output):
     hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, _, _ = inputs
     _, logprob, entropy, lse = output
-    # The label's final logit (for the softcap factor of the one-hot term): logprob = z_label - lse.
+    # logprob = z_label - lse in fp32: the backward forms the label column of d(logits) from exp(logprob).
     ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy, logprob)
     ctx.opts = (ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
 
@@ -78,8 +81,8 @@ def _backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
     need_b = bias is not None and ctx.needs_input_grad[3]
     if not (need_h or need_w or need_b):
         return (None,) * 12
-    dh, dw, db = lce_backward_op(hidden, weight, labels, bias, lse, entropy, logprob + lse, g_loss, g_logprob,
-                                 g_entropy, g_lse, *ctx.opts, need_h, need_w)
+    dh, dw, db = lce_backward_op(hidden, weight, labels, bias, lse, entropy, None, g_loss, g_logprob, g_entropy,
+                                 g_lse, *ctx.opts, need_h, need_w, logprob)
     return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 8
 
 

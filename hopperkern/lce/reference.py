@@ -6,13 +6,17 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_logits(hidden, weight, bias=None, softcap=None, temperature=1.0, dtype=torch.float64):
-    z = hidden.to(dtype) @ weight.to(dtype).T
+def final_logits(z, bias=None, softcap=None, temperature=1.0):
+    """The final logits from the raw ``z = hidden @ weight.T``: + bias, softcap * tanh(z / softcap), / temperature."""
     if bias is not None:
-        z = z + bias.to(dtype)
+        z = z + bias.to(z.dtype)
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     return z / temperature
+
+
+def reference_logits(hidden, weight, bias=None, softcap=None, temperature=1.0, dtype=torch.float64):
+    return final_logits(hidden.to(dtype) @ weight.to(dtype).T, bias, softcap, temperature)
 
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
