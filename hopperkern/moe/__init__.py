@@ -16,6 +16,7 @@ Everything here is forward only (inference): there is no backward yet, and :func
 - :mod:`hopperkern.moe.reference`: plain-PyTorch reference with the same signature.
 """
 
+from ..tma import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load
 from .align import AlignPlan, direct_plan, max_blocks_for, moe_align, prefer_direct
 from .configs import heuristic_config, moe_launch_config
 from .fused import check_expert_ids, fused_moe
