@@ -58,6 +58,16 @@ def _gate_up_bf16():
     return moe.gate_up(x, w13, moe.direct_plan(ids, w13.shape[0], cfg.block_m), config=cfg)  # no align launch
 
 
+def _lce_launch_bf16(phase):
+    """The lower-level launchers, called directly (the public functions go through the custom ops)."""
+    hidden, weight, labels = _lce_inputs(torch.bfloat16)
+    opts = lce.LceOptions()
+    if phase == "forward":
+        return lce.lce_forward(hidden, weight, labels, None, opts)
+    stats = torch.zeros(labels.shape[0])
+    return lce.lce_backward(hidden, weight, labels, None, stats, stats, torch.ones_like(stats), None, None, None, opts)
+
+
 def _autocast_lce():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return lce.linear_cross_entropy(*_lce_inputs())
@@ -68,6 +78,8 @@ BF16_CALLS = {
     "lce bf16": ("hopperkern.lce", lambda: lce.linear_cross_entropy(*_lce_inputs(torch.bfloat16))),
     "lce under autocast(bf16), fp32 inputs": ("hopperkern.lce", _autocast_lce),
     "logprobs/entropy bf16": ("hopperkern.lce", lambda: lce.linear_logprobs_entropy(*_lce_inputs(torch.bfloat16))),
+    "lce_forward bf16 (lower level)": ("lce.forward", lambda: _lce_launch_bf16("forward")),
+    "lce_backward bf16 (lower level)": ("lce.backward", lambda: _lce_launch_bf16("backward")),
     "fused_moe bf16": ("moe.fused_moe", lambda: moe.fused_moe(*_moe_bf16())),
     "gate_up bf16 (lower level)": ("moe.gate_up", _gate_up_bf16),
     "matmul bf16": ("matmul", lambda: matmul(torch.randn(16, 16).bfloat16(), torch.randn(16, 16).bfloat16())),
