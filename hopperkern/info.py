@@ -78,6 +78,26 @@ def _capability() -> dict:
     }
 
 
+def _interpreter():
+    """Triton's interpreter: None when off; else what stops it here, and per 16-bit dtype whether the probe found
+    its dot and cast right ("right") or the reasons it computes that dtype wrongly (ops refuse such inputs)."""
+    import torch
+
+    from . import tma
+
+    if not tma.interpreter_active():
+        return None
+    problems = list(tma.interpreter_problems())
+    out = {"problems": problems}
+    for dtype in (torch.float16, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        if problems:
+            out[name] = "not probed: the interpreter cannot run here"
+        else:
+            out[name] = list(tma.interpreter_dtype_problems(dtype)) or "right"
+    return out
+
+
 def _tma_mode() -> str:
     from . import tma
 
@@ -166,6 +186,7 @@ def collect() -> dict:
             "rich": _probe(_version, "rich"),
         },
         "capability": cap,
+        "interpreter": _probe(_interpreter),
         "settings": {name: os.environ.get(name) for name in _ENV_VARS},
         "tma_mode": mode,
         "families": _probe(_families, cap, mode),
@@ -216,6 +237,18 @@ def render(data: dict, console=None) -> None:
         env.add_row("tensor descriptors", _text(cap["tensor_descriptors"]))
     else:
         env.add_row("capability", _text(cap))
+    interp = data.get("interpreter")
+    if isinstance(interp, dict):
+        env.add_row("interpreter problems", _text(interp.get("problems") or "none"))
+        for name in ("float16", "bfloat16"):
+            verdict = interp.get(name)
+            if verdict == "right":
+                verdict = "computed right (probed)"
+            elif isinstance(verdict, list):
+                verdict = verdict + [f"so every op refuses {name} inputs here (UnsupportedError)"]
+            env.add_row(f"interpreter {name} (dot, cast)", _text(verdict))
+    elif interp is not None:
+        env.add_row("interpreter", _text(interp))
     env.add_row("TMA mode for tma='auto'", _text(data.get("tma_mode")))
     settings = data.get("settings")
     for k, v in (settings.items() if isinstance(settings, dict) else [("settings", settings)]):

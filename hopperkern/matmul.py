@@ -8,6 +8,8 @@ by :func:`hopperkern.tma.decide`.
 from __future__ import annotations
 
 import torch
+
+from .tma import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load
 import triton
 import triton.language as tl
 

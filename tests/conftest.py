@@ -6,9 +6,12 @@ before any test module). ``DEVICE`` is where tests put their tensors.
 Under the interpreter, ``tl.dot`` on bfloat16 multiplies the raw 16-bit patterns (bf16 is stored as uint16 in
 numpy; upstream triton#11584), and ``x.to(tl.bfloat16)`` truncates where the GPU rounds to nearest even.
 :func:`_patch_interpreter_bf16` fixes those two builder methods for the test session so bf16 GEMMs can be
-checked on CPU. Kernels are never changed to suit the interpreter.
+checked on CPU. Kernels are never changed to suit the interpreter. hopperkern itself refuses bf16 inputs under an
+interpreter whose probe finds these faults (``hopperkern.tma.interpreter_dtype_problems``); with the patch the
+probe finds none, and tests that need the interpreter as users get it take the ``unpatched_interpreter`` fixture.
 """
 
+import importlib
 import os
 import threading
 
@@ -78,10 +81,31 @@ def _patch_interpreter_bf16():
 
 @pytest.fixture(scope="session", autouse=True)
 def interpreter_bf16():
-    """Session-wide: bf16 ``tl.dot`` and fp32 -> bf16 casts behave as on the GPU under the interpreter."""
+    """Session-wide: bf16 ``tl.dot`` and fp32 -> bf16 casts behave as on the GPU under the interpreter. Yields
+    the function that undoes the patch."""
     undo = _patch_interpreter_bf16()
-    yield
+    yield undo
     undo()
+
+
+def _forget_dtype_probes():
+    # The module, not the function ``hopperkern.tma.capability`` that the package re-exports under its name.
+    importlib.import_module("hopperkern.tma.capability")._probe_interpreter_dtype.cache_clear()
+
+
+@pytest.fixture
+def unpatched_interpreter(interpreter_bf16):
+    """For one test: Triton's interpreter as users get it (the session's bf16 patch undone), with hopperkern's
+    cached dtype probes forgotten before and after, so that they report what the interpreter does each time."""
+    if HAS_CUDA:
+        pytest.skip("needs Triton's interpreter: with a GPU the tests run compiled kernels")
+    interpreter_bf16()
+    _forget_dtype_probes()
+    try:
+        yield
+    finally:
+        _patch_interpreter_bf16()
+        _forget_dtype_probes()
 
 
 def pytest_configure(config):

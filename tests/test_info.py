@@ -85,7 +85,8 @@ def test_main_text_and_json(capsys):
     assert "kernel families" in capsys.readouterr().out
     assert info.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"hopperkern", "environment", "capability", "settings", "tma_mode", "families", "tuning"}
+    assert set(data) == {"hopperkern", "environment", "capability", "interpreter", "settings", "tma_mode", "families",
+                         "tuning"}
 
 
 def test_module_entry_point_json():
@@ -116,9 +117,11 @@ def test_collect_never_raises(monkeypatch):
     monkeypatch.setattr(tma, "capability", boom)
     monkeypatch.setattr(tuning, "config_search", boom)
     monkeypatch.setattr(info, "_torch_cuda", boom)
+    monkeypatch.setattr(tma, "interpreter_active", boom)
     data = info.collect()
     failed = "could not collect: RuntimeError: probe [exploded]"
     assert data["capability"] == data["tuning"] == data["environment"]["torch.version.cuda"] == failed
+    assert data["interpreter"] == failed
     assert all(f["tma"] == "no" and f["why"][0] == failed for f in data["families"])
     json.dumps(data)
     text = _rendered(data)

@@ -5,6 +5,7 @@ Public: :func:`linear_cross_entropy`, :func:`linear_logprobs_entropy`. Lower lev
 (``lce_forward``, ``lce_backward``), :mod:`.reference` (plain PyTorch).
 """
 
+from ..tma import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load
 from .api import linear_cross_entropy, linear_logprobs_entropy
 from .launch import LceOptions, lce_backward, lce_forward
 

@@ -176,6 +176,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     is computed for every token (zeros when ``need_entropy`` is False). Inputs must be validated already.
     Extra memory: 4 fp32 [S, N] statistics, S chosen within 8 MiB.
     """
+    _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     N = hidden2d.shape[0]
     V, H = weight.shape
     dev = hidden2d.device
@@ -273,6 +274,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     Extra memory: fp32 [N, H] for d_hidden's sum over vocab slices plus one [N, Vs] d(logits) slice
     (<= ``DLOGITS_BUDGET`` bytes).
     """
+    _tma.check_interpreter(hidden2d.dtype, "lce.backward")  # no launch the interpreter gets wrong
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype

@@ -17,6 +17,7 @@ Pipeline (each piece public, documented in its module):
 - :mod:`hopperkern.moe.reference`: plain-PyTorch reference with the same signature.
 """
 
+from ..tma import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load
 from .align import AlignPlan, direct_plan, max_blocks_for, moe_align, prefer_direct
 from .backward import moe_backward
 from .configs import heuristic_config, moe_launch_config

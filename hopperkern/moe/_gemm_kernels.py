@@ -271,7 +271,9 @@ def _topk_sum_kernel(
     for j in range(0, TOP_K):
         s = t.to(tl.int64) * TOP_K + j
         e = tl.load(ids_ptr + s)
-        ok = (e >= 0) & (e < E)
-        acc += tl.load(src_ptr + s * stride_s + cols, mask=(cols < H) & ok, other=0.0).to(tl.float32)
+        # A dropped slot reads no column: one compare against a per-slot column limit. (Not `(cols < H) & ok`:
+        # triton >= 3.9's interpreter rejects that mask, as it widens the scalar `ok` to int32 when broadcasting.)
+        limit = tl.where((e >= 0) & (e < E), H, 0)
+        acc += tl.load(src_ptr + s * stride_s + cols, mask=cols < limit, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty),
              mask=cols < H)

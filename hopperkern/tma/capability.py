@@ -2,11 +2,16 @@
 
 Everything here is lazy and cached. Nothing touches CUDA or reads the environment at import time, and
 ``capability()`` never raises: a probe that fails becomes a reason in ``Capability.reasons``.
+
+Triton's CPU interpreter gets its own answers, which every launch checks through :func:`launch_context`:
+:func:`interpreter_problems` (set after triton's import, numpy missing or too new) and
+:func:`interpreter_dtype_problems` (a probe kernel per 16-bit dtype: bf16 comes out wrong, triton#11584).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -14,9 +19,13 @@ __all__ = [
     "Capability",
     "UnsupportedError",
     "capability",
+    "check_interpreter",
     "device_key",
     "interpreter_active",
+    "interpreter_dtype_problems",
+    "interpreter_problems",
     "launch_context",
+    "require_triton",
     "torch_mm_out_dtype",
 ]
 
@@ -67,13 +76,61 @@ def normalize_device_name(name: str) -> str:
 
 
 def interpreter_active() -> bool:
-    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1`` set before triton was imported)."""
+    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``). Whether it can run kernels
+    in this process is :func:`interpreter_problems`' answer."""
     try:
         import triton
 
         return bool(triton.knobs.runtime.interpret)
     except Exception:  # older triton without knobs, or triton missing
-        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+        return _interpret_env()
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    """``"3.6.0"`` -> (3, 6, 0); ``"2.4.0rc1"`` -> (2, 4, 0): the leading numeric parts."""
+    out = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+_NUMPY_MISSING = ("Triton's CPU interpreter (TRITON_INTERPRET=1) needs numpy, which triton does not install: "
+                  "pip install numpy")
+
+
+def _numpy_version() -> str | None:
+    """numpy's version, or None when numpy cannot be imported."""
+    try:
+        import numpy
+
+        return str(numpy.__version__)
+    except Exception:
+        return None
+
+
+def _explain_triton_import_error(exc: BaseException) -> str:
+    """What to do when ``import triton`` raised ``exc``."""
+    if _interpret_env() and _numpy_version() is None:
+        return f"triton cannot be imported: {_NUMPY_MISSING}"
+    return f"triton cannot be imported ({type(exc).__name__}: {exc}); hopperkern needs triton >= 3.6"
+
+
+def require_triton():
+    """``import triton``; when that fails, an ImportError that says why and what to do instead of triton's own
+    (with ``TRITON_INTERPRET=1`` and no numpy, triton fails inside its interpreter's ``import numpy``).
+    Modules that import triton run it first, through ``hopperkern.tma._triton``."""
+    try:
+        import triton
+    except ImportError as exc:
+        raise ImportError(f"{_explain_triton_import_error(exc)}\nsee: python -m hopperkern.info") from exc
+    return triton
 
 
 def _triton_version() -> str | None:
@@ -85,6 +142,52 @@ def _triton_version() -> str | None:
         return None
 
 
+def _triton_import_problem() -> str | None:
+    """Why ``import triton`` fails here (a sentence that says what to do), or None when it works."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return _explain_triton_import_error(exc)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_imported_for_interpreter() -> bool:
+    """Whether triton's own ``@triton.jit`` helpers (``triton.language.standard``) were built for the
+    interpreter, i.e. ``TRITON_INTERPRET=1`` was set when triton was imported. Fixed once triton is imported."""
+    import triton.language.standard as std
+    from triton.runtime.jit import JITFunction
+
+    return not any(isinstance(v, JITFunction) for v in vars(std).values())
+
+
+def interpreter_problems() -> tuple[str, ...]:
+    """Why Triton's interpreter, once switched on, cannot run hopperkern's kernels in this process: sentences
+    that say what to do, or () when it can (or when it is off). Cheap after the first call; never raises."""
+    if not interpreter_active():
+        return ()
+    reasons = []
+    numpy_version = _numpy_version()
+    if numpy_version is None:
+        reasons.append(_NUMPY_MISSING)
+    tv = _triton_version()
+    if tv is None:
+        return tuple(reasons) or (_triton_import_problem() or "triton cannot be imported",)
+    try:
+        late = not _triton_imported_for_interpreter()
+    except Exception as exc:  # triton's layout changed: say so rather than guess
+        reasons.append(f"could not tell whether triton was imported with the interpreter on: {exc}")
+        late = False
+    if late:
+        reasons.append("TRITON_INTERPRET=1 was set after triton was imported, so triton's own jit functions were built "
+                       "for a GPU and every kernel fails: set it in the environment before the first import of triton "
+                       "or hopperkern (`TRITON_INTERPRET=1 python ...`, or os.environ in the program's first lines)")
+    if numpy_version is not None and _numbers(tv) < (3, 7) and _numbers(numpy_version) >= (2, 4):
+        reasons.append(f"triton {tv}'s interpreter fails with numpy {numpy_version} (every range() over a runtime "
+                       "value raises): pip install 'numpy<2.4', or triton >= 3.7")
+    return tuple(reasons)
+
+
 def _has_tensor_descriptors() -> bool:
     try:
         import triton.language as tl
@@ -93,6 +196,69 @@ def _has_tensor_descriptors() -> bool:
         return hasattr(tl, "make_tensor_descriptor")
     except Exception:
         return False
+
+
+def interpreter_dtype_problems(dtype) -> tuple[str, ...]:
+    """Why Triton's interpreter computes kernels on ``dtype`` (a torch dtype) inputs wrongly in this process, or
+    () when it computes them right, when the interpreter is off (a GPU does) or for dtypes other than fp16/bf16.
+
+    The answer comes from running what the kernels do with 16-bit inputs (a ``tl.dot`` with fp32 accumulation,
+    a cast of fp32 values to ``dtype``) on a 16 x 16 probe once per dtype (a few ms, cached) and comparing with
+    PyTorch, so it reports what this interpreter really does, patched or not. Never raises."""
+    import torch
+
+    if dtype not in (torch.float16, torch.bfloat16) or not interpreter_active():
+        return ()
+    return _probe_interpreter_dtype(dtype)
+
+
+_PROBE_N = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _dot_cast_probe_kernel():
+    """The probe kernel, defined at first use: @triton.jit must run after TRITON_INTERPRET is settled."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot_cast_probe(a_ptr, b_ptr, c_ptr, x_ptr, y_ptr, N: tl.constexpr):
+        """c = a @ b ([N, N], fp32 accumulation) and y = x.to(y's dtype) ([N * N] fp32 x); one program."""
+        offs = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
+        tl.store(c_ptr + offs, tl.dot(tl.load(a_ptr + offs), tl.load(b_ptr + offs)))
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(y_ptr.dtype.element_ty))
+
+    return dot_cast_probe
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_interpreter_dtype(dtype) -> tuple[str, ...]:
+    import torch
+
+    name = str(dtype).replace("torch.", "")
+    n = _PROBE_N
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+        x = torch.randn(n * n, generator=gen)
+        c = torch.empty(n, n)
+        y = torch.empty(n * n, dtype=dtype)
+        _dot_cast_probe_kernel()[(1,)](a, b, c, x, y, N=n)
+    except Exception as exc:
+        return (f"a {name} probe kernel failed under Triton's interpreter: {type(exc).__name__}: {exc}",)
+    reasons = []
+    want = a.double() @ b.double()  # products of 16-bit floats are exact in fp32; only the sum rounds
+    err = float((c.double() - want).abs().max())
+    scale = float(want.abs().max())
+    if not err <= 1e-5 * scale:
+        upstream = " (it multiplies the raw bit patterns, triton#11584)" if dtype == torch.bfloat16 else ""
+        reasons.append(f"Triton's interpreter computes {name} tl.dot wrongly{upstream}: a {n}x{n}x{n} probe product "
+                       f"is off by {err:.3g}, its largest entry being {scale:.3g}")
+    bad = int((y.view(torch.int16) != x.to(dtype).view(torch.int16)).sum())
+    if bad:
+        reasons.append(f"Triton's interpreter casts float32 to {name} wrongly: {bad} of {n * n} probe values differ "
+                       "from round-to-nearest-even (a truncating cast)")
+    return tuple(reasons)
 
 
 def device_key(device=None) -> int | None:
@@ -123,10 +289,11 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
     reasons: list[str] = []
     tv = _triton_version()
     if tv is None:
-        reasons.append("triton is not importable")
+        reasons.append(_triton_import_problem() or "triton cannot be imported")
     descriptors = _has_tensor_descriptors()
-    if not descriptors:
-        reasons.append(f"triton {tv} has no tensor-descriptor API (tl.make_tensor_descriptor); need triton >= 3.4")
+    if not descriptors and tv is not None:
+        reasons.append(f"triton {tv} has no tensor-descriptor API (tl.make_tensor_descriptor); "
+                       "hopperkern needs triton >= 3.6")
 
     cuda = False
     name = None
@@ -178,14 +345,19 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
 def launch_context(t, op: str):
     """Where ``op`` launches for tensor ``t``: a ``torch.cuda.device`` guard for ``t``'s GPU (Triton launches
     on the current device and stream), a no-op context under the interpreter, and :class:`UnsupportedError`
-    when ``t`` is on a device hopperkern cannot run on (e.g. CPU tensors with the interpreter off)."""
+    when ``t`` is on a device hopperkern cannot run on (e.g. CPU tensors with the interpreter off), or when the
+    interpreter cannot run ``op`` right for ``t``'s dtype (:func:`check_interpreter`). Launchers pass the
+    tensor whose dtype their kernels compute in."""
     import contextlib
 
+    interpreting = interpreter_active()
+    if interpreting:  # the interpreter runs the kernels on the host, for CUDA tensors too
+        check_interpreter(t.dtype, op)
     if getattr(t, "is_cuda", False):
         import torch
 
         return torch.cuda.device(t.device)
-    if interpreter_active():
+    if interpreting:
         return contextlib.nullcontext()
     raise UnsupportedError(f"{op} cannot run on {t.device} tensors", [
         f"the inputs are on {t.device}: hopperkern's kernels need a CUDA GPU, or Triton's CPU interpreter "
@@ -194,14 +366,36 @@ def launch_context(t, op: str):
     ])
 
 
+def check_interpreter(dtype, op: str) -> None:
+    """Raise :class:`UnsupportedError` when Triton's interpreter cannot run ``op`` right here: it cannot start
+    (:func:`interpreter_problems`), or it computes ``dtype`` inputs wrongly (:func:`interpreter_dtype_problems`).
+    Returns None otherwise, and whenever the interpreter is off."""
+    problems = interpreter_problems()
+    if problems:
+        raise UnsupportedError(f"{op} cannot run under Triton's CPU interpreter in this process", problems)
+    problems = interpreter_dtype_problems(dtype)
+    if problems:
+        import torch
+
+        name = str(dtype).replace("torch.", "")
+        right = [str(d).replace("torch.", "") for d in (torch.float32, torch.float16, torch.bfloat16)
+                 if d != dtype and not interpreter_dtype_problems(d)]
+        raise UnsupportedError(f"{op} cannot run {name} inputs under Triton's CPU interpreter", [
+            *problems,
+            f"under the interpreter use {' or '.join(right)} inputs and no torch.autocast to {name} (it casts the "
+            f"inputs to {name}); or run on a CUDA GPU without TRITON_INTERPRET; or call the plain-PyTorch references "
+            "hopperkern.lce.reference / hopperkern.moe.reference, which run anywhere",
+        ])
+
+
 def torch_mm_out_dtype(device=None, dtype=None) -> bool:
     """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` works for ``a``, ``b`` of ``dtype``
     (default bf16) and an fp32 ``c`` on ``device`` (cuBLAS: fp32 accumulation written to an fp32 C).
 
     Probed once per (device, dtype) with 2 x 2 tensors at first use (never at import), never raises. A
     meta-tensor probe is not enough: torch 2.11 has the CUDA kernel but no meta kernel for this overload, and
-    taking that for "unsupported" sent the LCE backward to an fp32-copy fallback 4x slower (measured on the
-    H200 in session 6). While the current stream is being captured into a CUDA graph the probe cannot run
+    taking that for "unsupported" sends the LCE backward to an fp32-copy fallback 4x slower (measured on the
+    H200). While the current stream is being captured into a CUDA graph the probe cannot run
     (it synchronises): the answer then comes from the operator's registered overloads and is not cached."""
     import torch
 

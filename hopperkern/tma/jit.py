@@ -9,6 +9,7 @@ must mask padded rows/columns itself where zero is not neutral (e.g. -inf for vo
 Pointer offsets along the leading dim are computed in int64: N*V and V*H exceed 2**31 in real workloads.
 """
 
+from . import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load
 import triton
 import triton.language as tl
 
