@@ -38,8 +38,8 @@ def main() -> int:
             for fl in (False, True):
                 tag = f"{bn}x{bv}x{bk} w{w} s{st} tma={int(tma)} flatten={int(fl)}"
                 comp(f"lce_forward  {tag}", K.lce_forward_kernel,
-                     dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", m_ptr="fp32", s_ptr="fp32", t_ptr="fp32",
-                          sumz_ptr="fp32", N=N, V=V, H=H, S=17, tiles_per_split=30, stride_hn=H, stride_hk=1,
+                     dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", m_ptr="fp32", s_ptr="fp32",
+                          t_ptr="fp32", sumz_ptr="fp32", zl_ptr="fp32", N=N, V=V, H=H, S=17, tiles_per_split=30, stride_hn=H, stride_hk=1,
                           stride_wv=H, stride_wk=1, softcap=1.0, inv_temp=1.0),
                      dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
                           NEED_T=True, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma, DOT_PRECISION="tf32"),

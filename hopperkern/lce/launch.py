@@ -38,19 +38,16 @@ from ._kernels import (
     lce_combine_kernel,
     lce_dlogits_kernel,
     lce_forward_kernel,
-    lce_label_logit_kernel,
     lce_onehot_kernel,
 )
 
 __all__ = ["LceOptions", "lce_forward", "lce_backward", "check_labels", "validate_inputs", "forward_plan"]
 
 DLOGITS_BUDGET = 128 * 2**20  # bytes of the per-slice d(logits) buffer
-STATS_BUDGET = 8 * 2**20  # bytes of the forward's per-split statistics (4 fp32 [S, N] arrays)
+STATS_BUDGET = 8 * 2**20  # bytes of the forward's per-split statistics (5 fp32 [S, N] arrays)
 _COMBINE_BLOCK = 128
 _TARGET_WAVES = 20
 _MIN_SPLIT_COLS = 4096  # vocab columns per forward program at least (a split's start-up and stores amortised)
-_ROW_BLOCK = 32  # rows per program of the O(N*H) label-logit kernel
-_ROW_BLOCK_K = 128
 
 
 @dataclass(frozen=True)
@@ -154,7 +151,7 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int) -> tuple[int,
     """
     num_rb = triton.cdiv(N, cfg.block_m)
     num_vt = triton.cdiv(V, cfg.block_n)
-    s_max = max(1, min(num_vt, STATS_BUDGET // max(1, 16 * N)))
+    s_max = max(1, min(num_vt, STATS_BUDGET // max(1, 20 * N)))
     s_cols = max(1, V // _MIN_SPLIT_COLS)
     S = max(1, min(s_max, s_cols, triton.cdiv(_TARGET_WAVES * sm_count, num_rb)))
     tps = triton.cdiv(num_vt, S)
@@ -174,7 +171,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 
     loss includes label smoothing and z-loss (0 at ignored tokens); logprob is 0 at ignored tokens; entropy
     is computed for every token (zeros when ``need_entropy`` is False). Inputs must be validated already.
-    Extra memory: 4 fp32 [S, N] statistics, S chosen within 8 MiB.
+    Extra memory: 5 fp32 [S, N] statistics, S chosen within 8 MiB.
     """
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     N = hidden2d.shape[0]
@@ -195,17 +192,12 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     s = torch.empty((S, N), **f32)
     t = torch.empty((S, N), **f32) if need_entropy else m
     sumz = torch.empty((S, N), **f32) if need_sumz else m
-    zlab = torch.empty(N, **f32)
+    zl = torch.empty((S, N), **f32)
     has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
     b_arg = bias if has_bias else weight
-    lce_label_logit_kernel[(triton.cdiv(N, _ROW_BLOCK),)](
-        hidden2d, weight, b_arg, labels1d, zlab, N, V, H, hidden2d.stride(0), hidden2d.stride(1),
-        weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
-        BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
-    )
     grid = (triton.cdiv(N, cfg.block_m) * S,)
     lce_forward_kernel[grid](
-        hidden2d, weight, b_arg, m, s, t, sumz,
+        hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl,
         N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
         softcap, opts.inv_temp,
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
@@ -214,7 +206,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     lce_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
-        m, s, t, sumz, zlab, labels1d, loss, logprob, entropy, lse,
+        m, s, t, sumz, zl, labels1d, loss, logprob, entropy, lse,
         N, V, S, opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
         BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz,
     )
