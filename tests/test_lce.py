@@ -483,19 +483,21 @@ PLANS = [pytest.param((1, 7), id="1 split of all 7 tiles"), pytest.param((3, 3),
          pytest.param((7, 1), id="7 splits of 1 tile")]
 
 
+@pytest.mark.parametrize("pick_label", [True, False], ids=["label from tiles", "label from row dot"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("plan", PLANS)
-def test_forward_vocab_splits(plan, mode, monkeypatch):
+def test_forward_vocab_splits(plan, mode, pick_label, monkeypatch):
     """A forced config (block_n=16: 7 vocab tiles, 3 row blocks) and a forced (splits, tiles per split) plan:
     the online LSE inside a split and the merge across splits give per-token loss, log-prob, entropy and LSE
-    equal to the reference with every option set, whatever the split heuristic picks."""
+    equal to the reference with every option set, whatever the split heuristic picks; the label's logit picked
+    from the tiles (each split's pick merged) or taken from the row dot product."""
     cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
     asked = []
     monkeypatch.setattr(launch, "forward_plan", lambda *args: asked.append(args) or plan)
     inp = make_inputs(SHAPE, bias=True, ignore=0.3)
     with expect_path(mode, backward=False):
         loss, lp, ent, lse = launch.lce_forward(inp.hidden, inp.weight, inp.labels, inp.bias,
-                                                launch.LceOptions(tma=mode, **ALL), config=cfg)
+                                                launch.LceOptions(tma=mode, **ALL), config=cfg, pick_label=pick_label)
     assert len(asked) == 1, "lce_forward must take its plan from forward_plan"
     z = ref.reference_logits(inp.hidden, inp.weight, inp.bias, ALL["softcap"], ALL["temperature"])
     logp = torch.log_softmax(z, -1)
@@ -504,6 +506,22 @@ def test_forward_vocab_splits(plan, mode, monkeypatch):
     assert_close(lp, logp.gather(1, inp.labels.clamp(min=0)[:, None])[:, 0] * inp.kept, FP32_RTOL, "logprob")
     assert_close(ent, -(logp.exp() * logp).sum(-1), FP32_RTOL, "entropy")
     assert_close(lse, torch.logsumexp(z, -1), FP32_RTOL, "lse")
+
+
+def test_label_pick_only_when_a_backward_follows(monkeypatch):
+    """The public functions pick the label's logit from the tiles exactly when autograd records the call
+    (a backward will need p - 1 to full precision), and take the cheaper row dot product otherwise."""
+    seen = []
+    real = launch.lce_forward
+    monkeypatch.setattr("hopperkern.lce.ops.lce_forward", lambda *a, **k: seen.append(k["pick_label"]) or real(*a, **k))
+    inp = make_inputs(SMALL)
+    w = inp.weight.clone().requires_grad_()
+    lce.linear_logprobs_entropy(inp.hidden, w, inp.labels)
+    with torch.no_grad():
+        lce.linear_logprobs_entropy(inp.hidden, w, inp.labels)
+    lce.linear_cross_entropy(inp.hidden, inp.weight, inp.labels)
+    lce.linear_cross_entropy(inp.hidden.clone().requires_grad_(), inp.weight, inp.labels)
+    assert seen == [True, False, False, True]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -702,14 +720,17 @@ def test_logprobs_entropy_fp16_confident(grads_on, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_logprobs_entropy_no_grad(mode):
-    """Under torch.no_grad (reference / old-policy passes) the values equal the differentiable call's."""
+    """Under torch.no_grad (reference / old-policy passes) the values equal the differentiable call's to fp32
+    rounding: the no-grad forward takes the label's logit from a row dot product, the differentiable one from the
+    log-sum-exp's tiles (entropy is computed the same way in both)."""
     inp = make_inputs(SMALL, ignore=0.3)
     h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
     lp, ent = lce.linear_logprobs_entropy(h, w, inp.labels, tma=mode)
     with torch.no_grad(), expect_path(mode, backward=False):
         lp0, ent0 = lce.linear_logprobs_entropy(h, w, inp.labels, tma=mode)
     assert lp.requires_grad and not lp0.requires_grad and not ent0.requires_grad
-    assert torch.equal(lp0, lp.detach()) and torch.equal(ent0, ent.detach())
+    assert_close(lp0, lp.detach(), FP32_RTOL, "logprob, no grad vs grad")
+    assert torch.equal(ent0, ent.detach())
     want_lp, want_ent = ref.linear_logprobs_entropy(inp.hidden, inp.weight, inp.labels)
     assert_close(lp0, want_lp, FP32_RTOL, "logprob")
     assert_close(ent0, want_ent, FP32_RTOL, "entropy")
@@ -901,7 +922,8 @@ def _backward_op_args(hidden):
     inp = make_inputs((5, 20, 16))
     opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0, temperature=1.0, tma="never")
     _, lp, ent, lse = lce_forward_op(*_op_args("lce_forward", hidden=hidden(inp.hidden), weight=inp.weight,
-                                               labels=inp.labels, bias=None, need_entropy=True, check=True, **opts))
+                                               labels=inp.labels, bias=None, need_entropy=True, check=True,
+                                               pick_label=True, **opts))
     return _op_args("lce_backward", hidden=hidden(inp.hidden), weight=inp.weight, labels=inp.labels, bias=None,
                     lse=lse, entropy=ent, zlab=None, logprob=lp, g_loss=upstream((5,)), g_logprob=None,
                     g_entropy=upstream((5,), seed=2), g_lse=None, need_hidden_grad=True, need_weight_grad=True,
@@ -917,7 +939,7 @@ def test_custom_ops_opcheck():
     inp = make_inputs((5, 20, 16), bias=True)
     fwd = _op_args("lce_forward", hidden=inp.hidden.requires_grad_(), weight=inp.weight.requires_grad_(),
                    labels=inp.labels, bias=inp.bias, ignore_index=-100, label_smoothing=0.1, z_loss=0.0, softcap=0.0,
-                   temperature=1.0, tma="never", need_entropy=True, check=True)
+                   temperature=1.0, tma="never", need_entropy=True, check=True, pick_label=True)
     torch.library.opcheck(lce_forward_op, fwd, test_utils=OPCHECKS)
     torch.library.opcheck(lce_backward_op, _backward_op_args(lambda h: h), test_utils=OPCHECKS)
 

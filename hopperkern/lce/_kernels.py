@@ -11,7 +11,7 @@ take a descriptor or a pointer depending on a ``*_TMA`` constexpr.
 import triton
 import triton.language as tl
 
-from ..tma.jit import grouped_tile, load_2d, store_2d, tile_source_2d
+from ..tma.jit import grouped_tile, load_2d, load_rows, store_2d, tile_source_2d
 
 
 @triton.jit
@@ -56,6 +56,7 @@ def lce_forward_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
     FLATTEN: tl.constexpr, H_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PICK_LABEL: tl.constexpr,
 ):
     """Per-split online log-sum-exp statistics.
 
@@ -63,11 +64,14 @@ def lce_forward_kernel(
     BLOCK_V tiles, keeping m/s/t/sumz in registers across its tiles. Programs are ordered GROUP_N row blocks
     per split sweep (see ``hopperkern.tma.jit.grouped_tile``).
 
-    The label's logit is picked from the same tiles that feed the log-sum-exp (a compare-select-sum per tile):
-    log p = z_label - lse is then the difference of two numbers with the same rounding of the logits, and for a
-    confident prediction p - 1 (the whole gradient at the label) keeps its precision. A label logit from a
-    separate dot product differs from the tile's by the fp32 summation error (~1e-6), a relative error of
-    ~1e-6 / (1 - p) in p - 1: 1 % at p = 0.9999, more than one bf16 rounding.
+    PICK_LABEL (when a backward will follow): the label's logit is picked from the same tiles that feed the
+    log-sum-exp (a compare-select-sum per tile): log p = z_label - lse is then the difference of two numbers
+    with the same rounding of the logits, and for a confident prediction p - 1 (the whole gradient at the
+    label) keeps its precision. A label logit from a separate dot product (lce_label_logit_kernel, the no-grad
+    path) differs from the tile's by the fp32 summation error (~1e-6): harmless in log p itself, but a relative
+    error of ~1e-6 / (1 - p) in p - 1, 1 % at p = 0.9999, more than one bf16 rounding. The pick costs the
+    no-grad forward ~5-8 % on the H200 (one more [BLOCK_N, BLOCK_V] compare-select-sum per tile), so it is
+    only done for the backward.
     """
     pid = tl.program_id(0)
     rb, split = grouped_tile(pid, tl.cdiv(N, BLOCK_N), S, GROUP_N)
@@ -83,9 +87,10 @@ def lce_forward_kernel(
     t = tl.zeros((BLOCK_N,), tl.float32)
     sumz = tl.zeros((BLOCK_N,), tl.float32)
     zl = tl.zeros((BLOCK_N,), tl.float32)
-    # An ignored or out-of-range label picks nothing that matters: the combine kernel turns a label outside
-    # [0, V) into NaN. So the labels can be narrowed to int32 (fewer registers in the hot loop).
-    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+    if PICK_LABEL:
+        # An ignored or out-of-range label picks nothing that matters: the combine kernel turns a label outside
+        # [0, V) into NaN. So the labels can be narrowed to int32 (fewer registers in the hot loop).
+        labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
     num_vt = tl.cdiv(V, BLOCK_V)
     vt_begin = split * tiles_per_split
     vt_end = tl.minimum(vt_begin + tiles_per_split, num_vt)
@@ -110,11 +115,13 @@ def lce_forward_kernel(
             t = t * alpha + tl.sum(e * zv, 1)
         if NEED_SUMZ:
             sumz += tl.sum(zv, 1)
-        zl += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == (labels - col0)[:, None], zv, 0.0), 1)
+        if PICK_LABEL:
+            zl += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == (labels - col0)[:, None], zv, 0.0), 1)
         m = m_new
 
     out = split.to(tl.int64) * N + rows
-    tl.store(zl_ptr + out, zl, mask=row_ok)
+    if PICK_LABEL:
+        tl.store(zl_ptr + out, zl, mask=row_ok)
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     if NEED_T:
@@ -124,12 +131,42 @@ def lce_forward_kernel(
 
 
 @triton.jit
+def lce_label_logit_kernel(
+    h_ptr,  # [N, H]
+    w_ptr,  # [V, H]
+    b_ptr,  # [V] or dummy
+    labels_ptr,  # [N] int
+    zlab_ptr,  # [N] fp32 out: final logit z of the label (0 where the label is ignored or out of range)
+    N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, softcap, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    """z[n, label[n]] as a row-wise dot of h[n] with the gathered row w[label[n]]. Grid (cdiv(N, BLOCK_N),).
+
+    O(N*H) work, against O(N*V*H) for the logits: cheaper than picking the label out of every tile, which the
+    forward kernel does instead (PICK_LABEL) when a backward will follow (see lce_forward_kernel)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    lab_ok = row_ok & (labels >= 0) & (labels < V)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        h = load_rows(h_ptr, rows, row_ok, k * BLOCK_K, H, stride_hn, stride_hk, BLOCK_K, False)
+        w = load_rows(w_ptr, labels, lab_ok, k * BLOCK_K, H, stride_wv, stride_wk, BLOCK_K, False)
+        acc += tl.sum(h.to(tl.float32) * w.to(tl.float32), 1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + labels, mask=lab_ok, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        acc = softcap * _tanh(acc / softcap)
+    tl.store(zlab_ptr + rows, tl.where(lab_ok, acc * inv_temp, 0.0), mask=row_ok)
+
+
+@triton.jit
 def lce_combine_kernel(
     m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 partial statistics
-    zl_ptr,  # [S, N] fp32 the label's logit in the split that holds it, 0 in the others
+    zl_ptr,  # [S_ZL, N] fp32 label logit: per split (0 where the split lacks it), or one row from the row dot
     labels_ptr,  # [N] int
     loss_ptr, logprob_ptr, entropy_ptr, lse_ptr,  # [N] fp32 outputs
-    N, V, S, ignore_index, label_smoothing, z_loss,
+    N, V, S, S_ZL, ignore_index, label_smoothing, z_loss,
     BLOCK: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
 ):
     """Merge the S splits into per-token loss, log-prob, entropy and LSE. Grid (cdiv(N, BLOCK),).
@@ -147,9 +184,10 @@ def lce_combine_kernel(
     t_tot = tl.zeros((BLOCK,), tl.float32)
     sz_tot = tl.zeros((BLOCK,), tl.float32)
     zlab = tl.zeros((BLOCK,), tl.float32)
+    for sp in range(0, S_ZL):  # exact: one split holds the label, the rest add 0
+        zlab += tl.load(zl_ptr + sp * N + rows, mask=ok, other=0.0)
     for sp in range(0, S):
         idx = sp * N + rows
-        zlab += tl.load(zl_ptr + idx, mask=ok, other=0.0)  # exact: one split holds the label, the rest add 0
         scale = tl.exp(tl.load(m_ptr + idx, mask=ok, other=0.0) - mx)
         s_tot += scale * tl.load(s_ptr + idx, mask=ok, other=0.0)
         if NEED_T:

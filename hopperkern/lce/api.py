@@ -22,6 +22,12 @@ def _autocast(*tensors):
     return tensors
 
 
+def _backward_follows(*tensors) -> bool:
+    """Whether autograd records this call: then the forward takes the label's logit from the log-sum-exp's own
+    tiles (see :func:`hopperkern.lce.launch.lce_forward`, ``pick_label``)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _flat(hidden: torch.Tensor) -> torch.Tensor:
     # A view whenever the leading dims can be merged; otherwise reshape copies hidden (O(N*H), never the
     # [V, H] weight). 2-D inputs are always passed through with their strides.
@@ -65,7 +71,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     lab, bias = _small_contiguous(labels, bias)
     loss, _, _, _ = lce_forward_op(_flat(hidden), weight, lab, bias, ignore_index, float(label_smoothing),
                                    float(z_loss), float(softcap or 0.0), float(temperature), tma, False,
-                                   bool(check_labels))
+                                   bool(check_labels), _backward_follows(hidden, weight, bias))
     if reduction == "none":
         return loss.view(labels.shape)
     total = loss.sum()
@@ -86,11 +92,15 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
 
     Both outputs are float32 with labels.shape and differentiable w.r.t. hidden and weight under arbitrary
     per-token upstream gradients (PPO/GRPO with an entropy bonus). Under ``torch.no_grad()`` the extra memory
-    is O(N) (reference / old-policy log-prob passes).
+    is O(N) (reference / old-policy log-prob passes). A differentiable call takes the label's logit from the
+    same tiles as the log-sum-exp (so the backward's p - 1 keeps full precision for confident predictions); a
+    no-grad call takes it from a cheaper dot product: its log-probs agree with a differentiable call's to fp32
+    rounding (~1e-6), not bit for bit.
     """
     hidden, weight = _autocast(hidden, weight)
     validate_inputs(hidden, weight, labels, None, ignore_index=ignore_index, temperature=temperature, tma=tma)
     lab, _ = _small_contiguous(labels, None)
     _, logprob, entropy, _ = lce_forward_op(_flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0, 0.0,
-                                            float(temperature), tma, True, bool(check_labels))
+                                            float(temperature), tma, True, bool(check_labels),
+                                            _backward_follows(hidden, weight))
     return logprob.view(labels.shape), entropy.view(labels.shape)

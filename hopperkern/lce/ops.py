@@ -23,18 +23,19 @@ def _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma) -> L
 @torch.library.custom_op("hopperkern::lce_forward", mutates_args=())
 def lce_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
                    label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
-                   need_entropy: bool, check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-token (loss, logprob, entropy, lse) of 2-D ``hidden`` [N, H]; see :func:`launch.lce_forward`."""
+                   need_entropy: bool, check: bool, pick_label: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-token (loss, logprob, entropy, lse) of 2-D ``hidden`` [N, H]; see :func:`launch.lce_forward`
+    (``pick_label``: True when a backward will follow)."""
     with launch_context(hidden, "hopperkern.lce"):
         if check:
             check_labels(labels, weight.shape[0], ignore_index)
         opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
-        return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy)
+        return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy, pick_label=pick_label)
 
 
 @lce_forward_op.register_fake
 def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, need_entropy,
-      check):
+      check, pick_label=True):
     n = hidden.shape[0]
     return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(4))
 
@@ -68,7 +69,7 @@ def _(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_ent
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, _, _ = inputs
+    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, _, _, _ = inputs
     _, logprob, entropy, lse = output
     # logprob = z_label - lse in fp32: the backward forms the label column of d(logits) from exp(logprob).
     ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy, logprob)
@@ -80,10 +81,10 @@ def _backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = bias is not None and ctx.needs_input_grad[3]
     if not (need_h or need_w or need_b):
-        return (None,) * 12
+        return (None,) * 13
     dh, dw, db = lce_backward_op(hidden, weight, labels, bias, lse, entropy, None, g_loss, g_logprob, g_entropy,
                                  g_lse, *ctx.opts, need_h, need_w, logprob)
-    return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 8
+    return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 9
 
 
 torch.library.register_autograd("hopperkern::lce_forward", _backward, setup_context=_setup_context)
