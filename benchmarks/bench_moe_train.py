@@ -176,7 +176,7 @@ def plot(rows, path, meta):
     pts = [r for r in rows if r.get("speedup_vs_torch") and r["provider"] != "torch._grouped_mm"]
     labels = list(dict.fromkeys(f"{r['shape']}\nT={r['T']} {r['routing']}" for r in pts))
     provs = list(dict.fromkeys(r["provider"] for r in pts))
-    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(labels)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(labels)), 5.5))
     width = 0.8 / max(len(provs), 1)
     for i, p in enumerate(provs):
         ys = [next((r["speedup_vs_torch"] for r in pts if r["provider"] == p
@@ -184,13 +184,31 @@ def plot(rows, path, meta):
         ax.bar([x + i * width for x in range(len(labels))], ys, width, label=p)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.3, color="k", lw=0.5, ls="--")
-    ax.set_xticks([x + width * (len(provs) - 1) / 2 for x in range(len(labels))], labels, fontsize=6)
+    ax.set_xticks([x + width * (len(provs) - 1) / 2 for x in range(len(labels))], labels, fontsize=7, rotation=45,
+                  ha="right")
     ax.set_ylabel("speed-up over torch._grouped_mm MLP (higher is better)")
     ax.set_title(f"MoE forward+backward, bf16, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}",
                  fontsize=9)
     ax.legend(fontsize=7, title="hopperkern: saved / recomputed pre-activations", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def load_csv(path: Path) -> list[dict]:
+    """Rows of a stored CSV with numbers parsed back (to redraw a plot: ``--plot-from``)."""
+    import csv
+
+    def num(v):
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                return float(v)
+            except ValueError:
+                return v or None
+
+    with open(path, newline="") as f:
+        return [{k: num(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def table(rows):
@@ -214,7 +232,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None)
     ap.add_argument("--tokens", nargs="+", type=int, default=None)
     ap.add_argument("--routings", nargs="+", choices=ROUTINGS, default=None)
+    ap.add_argument("--plot-from", type=Path, default=None, help="redraw the plot of a stored CSV into --out")
     args = ap.parse_args(argv)
+    if args.plot_from is not None:
+        rows = load_csv(args.plot_from)
+        plot(rows, args.out / args.plot_from.with_suffix(".png").name, rows[0])
+        return 0
     if not torch.cuda.is_available():
         print("bench_moe_train: no CUDA GPU, nothing to time")
         return 0

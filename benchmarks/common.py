@@ -164,6 +164,8 @@ def run_meta() -> dict:
             cfg_origin = tuning.load_config().origin
     except Exception as exc:  # a broken file must not hide the figures
         cfg_origin = f"error: {exc}"
+    if os.sep in cfg_origin:  # a file: its name only, so stored results name no machine's folders
+        cfg_origin = os.path.basename(cfg_origin)
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
