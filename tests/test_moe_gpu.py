@@ -65,6 +65,21 @@ def test_bf16_real_shapes(shape, T):
     assert _rel_err(never, ref) <= 2 * err_torch + 2e-3
 
 
+def _capture(step):
+    """(CUDA graph of one call of ``step``, the graph's static output): two calls on a side stream first, so
+    compiles and allocations happen outside the capture."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    return graph, static
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("T", [1, 4, 16])  # 1, 4: direct plan; 16: alignment kernel in the graph
 def test_cuda_graph_decode_step(T, deterministic):
@@ -78,15 +93,7 @@ def test_cuda_graph_decode_step(T, deterministic):
         w, ids = moe.route(logits, k)
         return moe.fused_moe(x, w13, w2, w, ids, check_ids=False, deterministic=deterministic)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):  # compile and warm up outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = _capture(step)
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(100 + seed)
         x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
@@ -178,15 +185,7 @@ def test_cuda_graph_training_step():
         out = moe.fused_moe(x, w13, w2, weights, ids, check_ids=False)
         return torch.autograd.grad(out, (x, w13, logits), dout)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = _capture(step)
     for seed in range(2):
         gen = torch.Generator(device="cuda").manual_seed(200 + seed)
         with torch.no_grad():
