@@ -292,6 +292,7 @@ def config_search(source=None) -> tuple[Optional[Path], list[str], str]:
 
 
 _WARNED: set = set()
+_FOUND: dict = {}  # (source, HOPPERKERN_CONFIG, current GPU) -> (file, why) of a search that found a file
 
 
 def load_config(source=None) -> TuningConfig:
@@ -302,11 +303,27 @@ def load_config(source=None) -> TuningConfig:
     malformed file and ``FileNotFoundError`` for an explicit path (argument or ``HOPPERKERN_CONFIG``) that does
     not exist.
     """
+    # Steady state of an op call: one dict lookup and one stat. Where a file was found for this (source,
+    # HOPPERKERN_CONFIG, current GPU), the search is not repeated; the stat sees an edited file (new mtime) and
+    # a removed one (the search runs again). A changed HOPPERKERN_CONFIG is a different key.
+    memo_key = (source if source is None or isinstance(source, str) else str(source),
+                os.environ.get("HOPPERKERN_CONFIG"), _current_device_name() if source is None else None)
+    hit = _FOUND.get(memo_key)
+    if hit is not None:
+        try:
+            return _load_cached(hit[0], os.stat(hit[0]).st_mtime_ns, hit[1])
+        except FileNotFoundError:
+            _FOUND.pop(memo_key, None)
     path, looked, why = config_search(source)
     if path is not None:
         if not path.is_file():
             raise FileNotFoundError(f"tuning file {path} ({why}) does not exist")
-        return _load_path(path, why)
+        cfg = _load_path(path, why)
+        if looked == [str(path)]:  # the first place searched: no file can appear before it in the order
+            if len(_FOUND) >= 256:
+                _FOUND.clear()
+            _FOUND[memo_key] = (str(path), why)
+        return cfg
     cfg = TuningConfig()
     cfg._why = why
     key = tuple(looked) or (why,)

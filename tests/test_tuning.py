@@ -41,9 +41,11 @@ def clean_tuning_state(monkeypatch):
     """Each test starts with no HOPPERKERN_CONFIG, no remembered warnings and no cached files."""
     monkeypatch.delenv("HOPPERKERN_CONFIG", raising=False)
     tuning._WARNED.clear()
+    tuning._FOUND.clear()
     tuning._load_cached.cache_clear()
     yield
     tuning._WARNED.clear()
+    tuning._FOUND.clear()
     tuning._load_cached.cache_clear()
 
 
@@ -97,6 +99,29 @@ def test_hopperkern_config_file_comes_first(tmp_path, monkeypatch):
     for source in (None, "NVIDIA H200"):
         cfg = load_config(source)
         assert (cfg.origin, cfg.why) == (str(p), "HOPPERKERN_CONFIG file")
+
+
+def test_remembered_lookup_sees_edits_removal_and_a_new_env_value(tmp_path, monkeypatch):
+    """Op calls skip the file search once a file was found, but an edited file (new mtime) is read again, a
+    removed one is searched for again, and a changed HOPPERKERN_CONFIG is a new lookup."""
+    import os
+
+    p = _write(tmp_path / "a.json", VALID)
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(p))
+    first = load_config("NVIDIA H200")
+    assert load_config("NVIDIA H200") is first  # remembered: same parsed object
+    edited = json.loads(json.dumps(VALID))
+    edited["lce"] = {}
+    _write(p, edited)
+    os.utime(p, ns=(os.stat(p).st_atime_ns, os.stat(p).st_mtime_ns + 10**9))
+    again = load_config("NVIDIA H200")
+    assert again is not first and again.lce == {}
+    q = _write(tmp_path / "b.json", VALID)
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(q))
+    assert load_config("NVIDIA H200").origin == str(q)
+    q.unlink()
+    with pytest.raises(FileNotFoundError, match="b.json"):
+        load_config("NVIDIA H200")
 
 
 def test_hopperkern_config_folder_without_the_file_falls_back(tmp_path, monkeypatch):
