@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .launch import validate_inputs
-from .ops import lce_forward_op
+from .ops import lce_forward_impl, lce_forward_op
 
 __all__ = ["linear_cross_entropy", "linear_logprobs_entropy"]
 
@@ -26,6 +26,12 @@ def _backward_follows(*tensors) -> bool:
     """Whether autograd records this call: then the forward takes the label's logit from the log-sum-exp's own
     tiles (see :func:`hopperkern.lce.launch.lce_forward`, ``pick_label``)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _op(grad: bool):
+    """The custom op when autograd records or torch.compile traces; otherwise its function, called directly
+    (no dispatcher work on an eager no-grad call)."""
+    return lce_forward_op if grad or torch.compiler.is_compiling() else lce_forward_impl
 
 
 def _flat(hidden: torch.Tensor) -> torch.Tensor:
@@ -69,9 +75,9 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     validate_inputs(hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
                     z_loss=z_loss, softcap=softcap, temperature=temperature, tma=tma, reduction=reduction)
     lab, bias = _small_contiguous(labels, bias)
-    loss, _, _, _ = lce_forward_op(_flat(hidden), weight, lab, bias, ignore_index, float(label_smoothing),
-                                   float(z_loss), float(softcap or 0.0), float(temperature), tma, False,
-                                   bool(check_labels), _backward_follows(hidden, weight, bias))
+    grad = _backward_follows(hidden, weight, bias)
+    loss, _, _, _ = _op(grad)(_flat(hidden), weight, lab, bias, ignore_index, float(label_smoothing), float(z_loss),
+                              float(softcap or 0.0), float(temperature), tma, False, bool(check_labels), grad)
     if reduction == "none":
         return loss.view(labels.shape)
     total = loss.sum()
@@ -100,7 +106,7 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     hidden, weight = _autocast(hidden, weight)
     validate_inputs(hidden, weight, labels, None, ignore_index=ignore_index, temperature=temperature, tma=tma)
     lab, _ = _small_contiguous(labels, None)
-    _, logprob, entropy, _ = lce_forward_op(_flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0, 0.0,
-                                            float(temperature), tma, True, bool(check_labels),
-                                            _backward_follows(hidden, weight))
+    grad = _backward_follows(hidden, weight)
+    _, logprob, entropy, _ = _op(grad)(_flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0, 0.0,
+                                       float(temperature), tma, True, bool(check_labels), grad)
     return logprob.view(labels.shape), entropy.view(labels.shape)

@@ -20,8 +20,7 @@ def _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma) -> L
                       softcap=float(softcap), temperature=float(temperature), tma=str(tma))
 
 
-@torch.library.custom_op("hopperkern::lce_forward", mutates_args=())
-def lce_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
+def lce_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
                    label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
                    need_entropy: bool, check: bool, pick_label: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token (loss, logprob, entropy, lse) of 2-D ``hidden`` [N, H]; see :func:`launch.lce_forward`
@@ -31,6 +30,11 @@ def lce_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optiona
             check_labels(labels, weight.shape[0], ignore_index)
         opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
         return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy, pick_label=pick_label)
+
+
+# The custom op runs the same function; an eager call that autograd does not record calls it directly (the
+# public functions), skipping the dispatcher's per-call work.
+lce_forward_op = torch.library.custom_op("hopperkern::lce_forward", mutates_args=())(lce_forward_impl)
 
 
 @lce_forward_op.register_fake

@@ -25,7 +25,7 @@ from .configs import moe_launch_config
 from .gemm import down, gate_up
 
 __all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "config_from_list", "config_to_list", "moe_backward_op",
-           "moe_forward_op"]
+           "moe_forward_impl", "moe_forward_op"]
 
 SAVE_NONE, SAVE_PRE, SAVE_PLAN = 0, 1, 2  # save: nothing / plan + pre-activations / plan only (recompute)
 
@@ -58,10 +58,9 @@ def _empty(hidden, *shape, dtype=None):
     return hidden.new_empty(shape, dtype=dtype)
 
 
-@torch.library.custom_op("hopperkern::moe_forward", mutates_args=())
-def moe_forward_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str,
-                   tma: str, check: bool, deterministic: bool, config: Optional[list[int]],
-                   save: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def moe_forward_impl(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                     activation: str, tma: str, check: bool, deterministic: bool, config: Optional[list[int]],
+                     save: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out [T, H], pre [rows, 2I], sorted_slots [rows], block_expert [blocks], expert_offsets [E + 1],
     num_blocks [1]); everything after ``out`` is empty unless ``save`` asks for it."""
     from .fused import check_expert_ids
@@ -90,6 +89,11 @@ def moe_forward_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor
         return (out, pre, _empty(hidden, 0, **i32), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32),
                 _empty(hidden, 0, **i32))
     return out, pre, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.num_blocks
+
+
+# The custom op runs the same function; an eager call that autograd does not record calls it directly
+# (fused_moe), skipping the dispatcher's per-call work.
+moe_forward_op = torch.library.custom_op("hopperkern::moe_forward", mutates_args=())(moe_forward_impl)
 
 
 @moe_forward_op.register_fake
