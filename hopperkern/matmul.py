@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import tma as _tma
+from ._host import cdiv
 from ._validate import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype, dot_precision
 from .tma.jit import grouped_tile, load_2d, store_2d, tile_source_2d
 
@@ -73,7 +74,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, tma: str = "auto", block_m: int 
     with _tma.launch_context(a, "matmul"):
         d = _tma.decide(tma, {"a": (a, (block_m, block_k)), "b": (b, (block_k, block_n)),
                               "c": (c, (block_m, block_n))}, op="matmul")
-        grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+        grid = (cdiv(M, block_m) * cdiv(N, block_n),)
         _matmul_kernel[grid](
             a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,

@@ -319,7 +319,9 @@ def load_config(source=None) -> TuningConfig:
         if not path.is_file():
             raise FileNotFoundError(f"tuning file {path} ({why}) does not exist")
         cfg = _load_path(path, why)
-        if looked == [str(path)]:  # the first place searched: no file can appear before it in the order
+        # Remembered unless a HOPPERKERN_CONFIG folder was searched in vain first: a file the user adds there must
+        # take effect on the next call. (The packaged folders do not change while a program runs.)
+        if memo_key[1] is None or why.startswith("HOPPERKERN_CONFIG"):
             if len(_FOUND) >= 256:
                 _FOUND.clear()
             _FOUND[memo_key] = (str(path), why)

@@ -12,8 +12,9 @@ import torch
 
 from hopperkern import moe, tma
 from hopperkern.moe import ops, reference
-from hopperkern.moe.backward import moe_backward
+from hopperkern.moe.backward import gather_rows, moe_backward
 from hopperkern.moe.configs import INTERPRETER_CONFIG
+from hopperkern.tuning import MoeConfig
 
 MODES = ("never", "always")
 FP32_RTOL = 2e-5
@@ -45,6 +46,8 @@ CASES = [
     Case(23, 8, 64, 48, 2, torch.float16, "silu", "skewed", "fp16, Zipf-like routing: a heavy expert, empty ones"),
     Case(9, 8, 64, 32, 8, torch.float16, "gelu_tanh", "uniform", "k = 8 = E, T < block_m"),
     Case(33, 3, 48, 16, 1, torch.float16, "silu", "uniform", "k = 1, I < block_n"),
+    Case(19, 4, 48, 80, 2, torch.float32, "gelu_tanh", "uniform",
+         "I = 80: two column tiles of two halves each, the second past I"),
 ]
 
 
@@ -146,16 +149,22 @@ def test_router_logit_gradient(scoring, device):
     assert rel_err(results[0], results[1]) <= FP32_RTOL
 
 
+def _transposed_storage(t):
+    """The same values as ``t`` (2-D or 3-D) in a non-contiguous view: the last two dims stored transposed."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def test_noncontiguous_upstream_and_inputs(device):
-    """A transposed upstream gradient, an expanded one (out.sum()), and hidden / weights read through
-    non-contiguous views: gradients still match the reference (no copies needed)."""
+    """A transposed upstream gradient, an expanded one (out.sum()), and hidden, w13, w2 and topk_weights read
+    through non-contiguous views: gradients still match the reference (no copies needed) and come contiguous."""
     case = CASES[0]
     x, w13, w2, weights, ids, _, up = make_inputs(case, device, seed=5)
     up_t = up.t().contiguous().t()
     assert up_t.stride() != up.stride()
-    views = lambda a, b, c, w, i: moe.fused_moe(a.t().contiguous().t(), b, c, w, i)  # noqa: E731
+    views = lambda a, b, c, w, i: moe.fused_moe(*map(_transposed_storage, (a, b, c, w)), i)  # noqa: E731
     out, got = grads_of(views, x, w13, w2, weights, ids, up_t)
     check_grads(case, x, w13, w2, weights, ids, up, got, out, "silu")
+    assert all(g.is_contiguous() for g in got)
     leaves = [t.clone().requires_grad_() for t in (x, w13, w2, weights)]
     moe.fused_moe(*leaves, ids).sum().backward()  # upstream gradient with strides (0, 0)
     _, want = grads_of(lambda *a: reference.fused_moe(*a), x, w13, w2, weights, ids, torch.ones_like(up),
@@ -205,23 +214,51 @@ def test_no_grad_saves_nothing_and_grad_saves(device):
     assert n_saved - n_recompute >= rows * 2 * case.I, "saved mode keeps the [rows, 2I] pre-activations"
 
 
-def test_zero_tokens_with_grad(device):
-    """T = 0 with grads: an empty output and zero gradients of the right shapes."""
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("empty", ["T=0", "k=0"])
+def test_empty_problems_with_grad(empty, block_m, device):
+    """T = 0 or k = 0 with grads, with the interpreter's config and with an explicit one of another block_m
+    (tuned configs of large token buckets use 64-128): an output of the right shape (zeros for k = 0) and zero
+    gradients of the right shapes."""
     case = CASES[0]
     x, w13, w2, weights, ids, _, _ = make_inputs(case, device)
-    leaves = [t.clone().requires_grad_() for t in (x[:0], w13, w2, weights[:0])]
-    out = moe.fused_moe(*leaves, ids[:0])
-    assert out.shape == (0, case.H)
+    if empty == "T=0":
+        x, weights, ids = x[:0], weights[:0], ids[:0]
+    else:
+        weights, ids = weights[:, :0], ids[:, :0]
+    g = INTERPRETER_CONFIG.gemm1.model_copy(update={"block_m": block_m})
+    config = MoeConfig(gemm1=g, gemm2=g)
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2, weights)]
+    out = moe.fused_moe(*leaves, ids, config=config)
+    assert out.shape == x.shape and torch.count_nonzero(out) == 0
     out.sum().backward()
     for leaf in leaves:
         assert leaf.grad.shape == leaf.shape and torch.count_nonzero(leaf.grad) == 0
 
 
+@pytest.mark.parametrize("which", ["w13", "topk_weights", "hidden"])
+def test_only_some_inputs_need_grad(which, device):
+    """Frozen experts, router-only training and activation-only gradients: the one gradient asked for matches
+    the reference; fp16 routing weights and int64 ids work (route gives fp32 / int32)."""
+    case = CASES[2]
+    x, w13, w2, weights, ids, _, up = make_inputs(case, device, seed=9)
+    weights, ids = weights.half(), ids.long()
+    names = ("hidden", "w13", "w2", "topk_weights")
+    leaves = {n: t.clone().requires_grad_(n == which) for n, t in zip(names, (x, w13, w2, weights))}
+    moe.fused_moe(*leaves.values(), ids).backward(up.half())
+    ref = {n: t.double().requires_grad_(n == which) for n, t in zip(names, (x, w13, w2, weights))}
+    reference.fused_moe(*ref.values(), ids).backward(up.double())
+    g = leaves[which].grad
+    assert g.dtype == leaves[which].dtype and all(leaves[n].grad is None for n in names if n != which)
+    assert rel_err(g, ref[which].grad) <= 5e-3
+
+
 def test_opcheck(device):
-    """torch.library.opcheck: schemas, fake implementations (dynamic sizes of the saved tensors) and the
-    registered autograd of both custom ops."""
+    """torch.library.opcheck: schemas, fake implementations (dynamic sizes of the saved tensors, gradient
+    strides for non-contiguous weights and routing weights) and the registered autograd of both custom ops."""
     case = CASES[1]
     x, w13, w2, weights, ids, _, up = make_inputs(case, device)
+    w2, weights = _transposed_storage(w2), _transposed_storage(weights)
     leaves = [t.clone().requires_grad_() for t in (x, w13, w2, weights)]
     for save in (ops.SAVE_NONE, ops.SAVE_PRE, ops.SAVE_PLAN):
         torch.library.opcheck(ops.moe_forward_op, (*leaves, ids, "silu", "never", True, True, None, save),
@@ -233,7 +270,8 @@ def test_opcheck(device):
 
 
 def test_compile_fullgraph_training_step(device):
-    """torch.compile(fullgraph=True) traces route + fused_moe + loss + backward; gradients equal eager's."""
+    """torch.compile(fullgraph=True) traces route + fused_moe + loss + backward, with w2 stored transposed;
+    gradients equal eager's."""
     case = Case(17, 8, 64, 32, 2, torch.float32, "silu", "uniform", "")
     x, w13, w2, _, _, logits, _ = make_inputs(case, device, seed=11)
 
@@ -243,7 +281,7 @@ def test_compile_fullgraph_training_step(device):
 
     grads = []
     for fn in (torch.compile(step, fullgraph=True), step):
-        leaves = [t.clone().requires_grad_() for t in (x, w13, w2, logits)]
+        leaves = [t.clone().requires_grad_() for t in (x, w13, _transposed_storage(w2), logits)]
         fn(*leaves).backward()
         grads.append([t.grad for t in leaves])
     for a, b in zip(*grads):
@@ -251,8 +289,8 @@ def test_compile_fullgraph_training_step(device):
 
 
 def test_backward_launcher_checks(device):
-    """The public backward launcher refuses a direct plan, saved pre-activations of the wrong shape and an
-    upstream gradient of the wrong shape."""
+    """The public backward launcher refuses a direct plan, a plan of other ids, saved pre-activations of the
+    wrong shape and an upstream gradient of the wrong shape; gather_rows refuses a direct plan."""
     case = CASES[0]
     x, w13, w2, weights, ids, _, up = make_inputs(case, device, drop=0.0)
     cfg = INTERPRETER_CONFIG
@@ -265,5 +303,9 @@ def test_backward_launcher_checks(device):
         moe_backward(up, x, w13, w2, weights, ids, plan, config=cfg, pre=pre[:, :-1])
     with pytest.raises(ValueError, match=r"d_out must be \[21, 64\]"):
         moe_backward(up[:-1], x, w13, w2, weights, ids, plan, config=cfg, pre=pre)
+    with pytest.raises(ValueError, match=r"plan must be built from topk_ids \(20, 2\)"):
+        moe_backward(up[:-1], x[:-1], w13, w2, weights[:-1], ids[:-1], plan, config=cfg, pre=pre)
+    with pytest.raises(ValueError, match="gather_rows needs a sorted plan"):
+        gather_rows(x, moe.direct_plan(ids, case.E, 16))
     with pytest.raises(ValueError, match="gate_up: pre_out needs a sorted plan"):
         moe.gate_up(x, w13, moe.direct_plan(ids, case.E, 16), config=cfg.gemm1, pre_out=pre)

@@ -334,12 +334,12 @@ def test_launch_configs_use_the_inputs_device(device, monkeypatch):
     assert cfg == moe.heuristic_config(128, 2048, 768, 1, 8, sm_count=100)
     monkeypatch.undo()
 
-    import hopperkern.moe.fused as fused_mod
     import hopperkern.moe.gemm as gemm_mod
+    import hopperkern.moe.ops as ops_mod
 
     devices = []
-    real_launch, real_programs = fused_mod.moe_launch_config, gemm_mod.num_programs
-    monkeypatch.setattr(fused_mod, "moe_launch_config",
+    real_launch, real_programs = ops_mod.moe_launch_config, gemm_mod.num_programs
+    monkeypatch.setattr(ops_mod, "moe_launch_config",
                         lambda *a, **kw: devices.append(("config", a[6] if len(a) > 6 else kw["device"]))
                         or real_launch(*a[:6]))
     monkeypatch.setattr(gemm_mod, "num_programs",

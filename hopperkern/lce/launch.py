@@ -19,10 +19,10 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .. import tma as _tma
 from .. import tuning as _tuning
+from .._host import cdiv
 from .._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -152,13 +152,13 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int) -> tuple[int,
     (17 row blocks) 4 waves of ~4.8k-column splits beat 20 waves of 1k-column ones by 7-10 %; at 8192 x 4096
     12 and 30 tiles of 256 per split were within 1.3 %.
     """
-    num_rb = triton.cdiv(N, cfg.block_m)
-    num_vt = triton.cdiv(V, cfg.block_n)
+    num_rb = cdiv(N, cfg.block_m)
+    num_vt = cdiv(V, cfg.block_n)
     s_max = max(1, min(num_vt, STATS_BUDGET // max(1, 20 * N)))
     s_cols = max(1, V // _MIN_SPLIT_COLS)
-    S = max(1, min(s_max, s_cols, triton.cdiv(_TARGET_WAVES * sm_count, num_rb)))
-    tps = triton.cdiv(num_vt, S)
-    return triton.cdiv(num_vt, tps), tps  # no empty splits
+    S = max(1, min(s_max, s_cols, cdiv(_TARGET_WAVES * sm_count, num_rb)))
+    tps = cdiv(num_vt, S)
+    return cdiv(num_vt, tps), tps  # no empty splits
 
 
 def _sm_count(device) -> int:
@@ -204,12 +204,12 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
     b_arg = bias if has_bias else weight
     if not pick_label:
-        lce_label_logit_kernel[(triton.cdiv(N, _ROW_BLOCK),)](
+        lce_label_logit_kernel[(cdiv(N, _ROW_BLOCK),)](
             hidden2d, weight, b_arg, labels1d, zl, N, V, H, hidden2d.stride(0), hidden2d.stride(1),
             weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
             BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
         )
-    grid = (triton.cdiv(N, cfg.block_m) * S,)
+    grid = (cdiv(N, cfg.block_m) * S,)
     lce_forward_kernel[grid](
         hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl,
         N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
@@ -219,7 +219,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
         PICK_LABEL=pick_label, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    lce_combine_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
+    lce_combine_kernel[(cdiv(N, _COMBINE_BLOCK),)](
         m, s, t, sumz, zl, labels1d, loss, logprob, entropy, lse,
         N, V, S, zl.shape[0], opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
         BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz,
@@ -230,7 +230,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 def _slice_cols(N: int, V: int, block_v: int, elem: int) -> int:
     cols = DLOGITS_BUDGET // max(1, N * elem)
     cols = max(block_v, (cols // block_v) * block_v)
-    return min(cols, triton.cdiv(V, block_v) * block_v)
+    return min(cols, cdiv(V, block_v) * block_v)
 
 
 def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -299,7 +299,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     d_b = torch.empty(V, dtype=torch.float32, device=dev) if bias is not None else None
     cfg = config or pick_config("backward", dt, N, H)
     vs = _slice_cols(N, V, cfg.block_n, hidden2d.element_size())
-    ld = triton.cdiv(vs, 64) * 64  # row pitch of the slice buffer: 128-byte aligned rows for TMA stores
+    ld = cdiv(vs, 64) * 64  # row pitch of the slice buffer: 128-byte aligned rows for TMA stores
     dbuf = torch.empty((N, ld), dtype=dt, device=dev)
     d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
                                "weight": (weight, (cfg.block_n, cfg.block_k)),
@@ -314,7 +314,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     sms = _sm_count(dev)
     for col_begin in range(0, V, vs):
         ncols = min(vs, V - col_begin)
-        num_tiles = triton.cdiv(N, cfg.block_m) * triton.cdiv(ncols, cfg.block_n)
+        num_tiles = cdiv(N, cfg.block_m) * cdiv(ncols, cfg.block_n)
         progs = min(num_tiles, sms)
         lce_dlogits_kernel[(progs,)](
             hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf, N, V, H, col_begin, ncols,
@@ -327,7 +327,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
         if label_term:
             # Overwrites the label entries just written (same stream): p (A + B z) + C + D from the forward's
             # fp32 log-prob, rounded once. Without g_loss and g_logprob, C = 0 and the tile's entry is final.
-            lce_onehot_kernel[(triton.cdiv(N, _COMBINE_BLOCK),)](
+            lce_onehot_kernel[(cdiv(N, _COMBINE_BLOCK),)](
                 labels1d, lse, entropy, *grads, logprob, dbuf, N, V, col_begin, ncols,
                 dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=bool(opts.softcap), **flags,
             )

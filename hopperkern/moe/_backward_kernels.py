@@ -199,7 +199,7 @@ def _topk_weight_grad_kernel(
     live = ok & (slot < num_slots)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for n in range(0, NUM_N):
-        acc += tl.load(part_ptr + n * num_rows + rows.to(tl.int64), mask=live, other=0.0)
+        acc += tl.load(part_ptr + tl.cast(n, tl.int64) * num_rows + rows, mask=live, other=0.0)
     tok = slot // top_k
     ptrs = dtw_ptr + tok.to(tl.int64) * stride_dt + (slot - tok * top_k) * stride_dk
     tl.store(ptrs, acc.to(dtw_ptr.dtype.element_ty), mask=live)

@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from .._host import cdiv, next_power_of_2
 from ..tma import interpreter_active, launch_context
 from ._align_kernels import (
     _align_blocks_kernel,
@@ -115,7 +115,7 @@ def direct_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+    return max(floor, next_power_of_2(max(int(n), 1)))
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
@@ -167,7 +167,7 @@ def _launch(ids: torch.Tensor, plan: AlignPlan, num_slots: int, E: int, block_m:
             BLOCK_M=block_m, CHUNK=chunk, SUB=min(sub, chunk), E_P=e_p, BLOCK_B=_BLOCK_B, num_warps=4,
         )
         return
-    num_chunks = triton.cdiv(num_slots, _CHUNK)
+    num_chunks = cdiv(num_slots, _CHUNK)
     chunk_counts = torch.empty((num_chunks, e_p), **i32)
     base = torch.empty((num_chunks, e_p), **i32)
     _align_count_kernel[(num_chunks,)](ids, chunk_counts, num_slots, E, CHUNK=_CHUNK, E_P=e_p, num_warps=4)
@@ -176,7 +176,7 @@ def _launch(ids: torch.Tensor, plan: AlignPlan, num_slots: int, E: int, block_m:
                              num_warps=8)
     _align_scatter_kernel[(num_chunks,)](ids, base, plan.sorted_slots, num_slots, E, CHUNK=_CHUNK, SUB=sub,
                                          E_P=e_p, num_warps=4)
-    _align_blocks_kernel[(triton.cdiv(max_blocks, _BLOCK_B),)](
+    _align_blocks_kernel[(cdiv(max_blocks, _BLOCK_B),)](
         plan.expert_offsets, plan.expert_counts, plan.block_expert, plan.sorted_slots, max_blocks, num_slots, E,
         BLOCK_M=block_m, BLOCK_B=_BLOCK_B, E_P=e_p, num_warps=4,
     )

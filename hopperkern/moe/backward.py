@@ -24,9 +24,9 @@ GEMM's epilogue, so the forward's intermediate rows are not kept.
 from __future__ import annotations
 
 import torch
-import triton
 
 from .. import tma as _tma
+from .._host import cdiv, next_power_of_2
 from .._validate import dot_precision
 from ..tuning import KernelConfig, MoeConfig
 from ._backward_kernels import _dgate_up_kernel, _expert_wgrad_kernel, _gather_rows_kernel, _topk_weight_grad_kernel
@@ -93,9 +93,11 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
     comes back as None.
 
     ``plan`` is the forward's sorted plan (:func:`hopperkern.moe.moe_align`, not a direct plan); ``pre`` the
-    forward's saved pre-activations (``gate_up(..., pre_out=pre)``), or None to recompute them here. ``config``: the forward's :class:`~hopperkern.tuning.MoeConfig` (its block_m must be
-    the plan's). Gradients come in the dtype of their input; ``deterministic=False`` sums d_hidden with fp32
-    atomics (bits may vary run to run). Inputs must be validated already (:func:`hopperkern.moe.fused_moe`).
+    forward's saved pre-activations (``gate_up(..., pre_out=pre)``), or None to recompute them here. ``config``:
+    the forward's :class:`~hopperkern.tuning.MoeConfig` (both GEMMs' block_m must be the plan's). Gradients come
+    contiguous, in the dtype of their input; ``deterministic=False`` sums d_hidden with fp32 atomics (bits may
+    vary run to run). The plan and shapes are checked against the inputs here; the inputs themselves must be
+    validated already (:func:`hopperkern.moe.fused_moe` does).
     """
     T, H = hidden.shape
     E, two_i, _ = w13.shape
@@ -104,19 +106,27 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
     dev, dt = hidden.device, hidden.dtype
     if plan.direct:
         raise ValueError("moe_backward needs a sorted plan (moe_align), got a direct plan")
-    if config.gemm1.block_m != plan.block_m:
-        raise ValueError(f"config.gemm1.block_m must be {plan.block_m} (the plan's block_m), got "
-                         f"{config.gemm1.block_m}")
+    if (plan.num_slots, plan.top_k, plan.num_experts) != (T * k, k, E):
+        raise ValueError(f"plan must be built from topk_ids {tuple(topk_ids.shape)} for {E} experts, got a plan of "
+                         f"{plan.num_slots} slots, top_k {plan.top_k}, {plan.num_experts} experts")
+    if tuple(w2.shape) != (E, H, I) or tuple(topk_weights.shape) != (T, k):
+        raise ValueError(f"w2 must be {(E, H, I)} and topk_weights {(T, k)}, got {tuple(w2.shape)} and "
+                         f"{tuple(topk_weights.shape)}")
+    if tuple(d_out.shape) != (T, H) or d_out.dtype != dt:
+        raise ValueError(f"d_out must be [{T}, {H}] {dt}, got {tuple(d_out.shape)} {d_out.dtype}")
+    # Contiguous gradients (the custom op's fake implementation promises them, whatever the inputs' strides).
+    d_tw = (torch.zeros(topk_weights.shape, dtype=topk_weights.dtype, device=dev) if need_topk_weights
+            else None)  # dropped slots keep 0
+    if plan.max_blocks == 0 or T * k == 0 or H == 0 or I == 0:
+        zeros = [torch.zeros(t.shape, dtype=t.dtype, device=dev) if need else None
+                 for t, need in ((hidden, need_hidden), (w13, need_w13), (w2, need_w2))]
+        return (*zeros, d_tw)
+    for name, g in (("gemm1", config.gemm1), ("gemm2", config.gemm2)):
+        if g.block_m != plan.block_m:
+            raise ValueError(f"config.{name}.block_m must be {plan.block_m} (the plan's block_m), got {g.block_m}")
     recompute = pre is None
     if not recompute:
         _check_saved("pre", pre, (plan.max_rows, 2 * I), dt)
-    if tuple(d_out.shape) != (T, H) or d_out.dtype != dt:
-        raise ValueError(f"d_out must be [{T}, {H}] {dt}, got {tuple(d_out.shape)} {d_out.dtype}")
-    d_tw = torch.zeros_like(topk_weights) if need_topk_weights else None  # dropped slots keep 0
-    if plan.max_blocks == 0 or T * k == 0 or H == 0 or I == 0:
-        zeros = [torch.zeros_like(t) if need else None
-                 for t, need in ((hidden, need_hidden), (w13, need_w13), (w2, need_w2))]
-        return (*zeros, d_tw)
     d_h = d_w13 = d_w2 = None
     interp = _tma.interpreter_active()
     c1, c2, cw = backward_configs(config, dt, recompute, interp)
@@ -131,7 +141,7 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
         dgu = torch.empty((rows, 2 * I), dtype=dt, device=dev)
         y_w = torch.empty((rows, I), dtype=dt, device=dev)
         halves = 1 if recompute or I <= bn else 2  # two accumulators per tile (see _dgate_up_kernel)
-        num_n = triton.cdiv(I, halves * bn)
+        num_n = cdiv(I, halves * bn)
         part = torch.empty((num_n, rows), dtype=torch.float32, device=dev)
         pg, pu = (y_w, y_w) if recompute else (pre[:, :I], pre[:, I:])
         dg, du = dgu[:, :I], dgu[:, I:]
@@ -142,6 +152,7 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
         else:
             ops.update(pre_gate=(pg, (bm, bn)), pre_up=(pu, (bm, bn)))
         d = _tma.decide(tma, ops, op="moe.backward.dgate_up")
+        del ops  # it references Ds and Yw: they must be freed below
         x_arg = x_sorted if recompute else d_sorted
         progs = num_programs(c1, dt.itemsize, 3 if recompute else halves, dev)
         grid = (min(plan.max_blocks * num_n, progs),)
@@ -161,7 +172,7 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
         )
         # 3) d_topk_weights: the column-tile partials summed in order.
         if need_topk_weights:
-            _topk_weight_grad_kernel[(triton.cdiv(rows, _TW_BLOCK),)](
+            _topk_weight_grad_kernel[(cdiv(rows, _TW_BLOCK),)](
                 part, plan.sorted_slots, plan.num_blocks, d_tw, rows, plan.num_slots, k, d_tw.stride(0),
                 d_tw.stride(1), NUM_N=num_n, ROWS_PER_BLOCK=plan.block_m, BLOCK=_TW_BLOCK, num_warps=4,
             )
@@ -171,9 +182,9 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
         # 4) d_w2[e] = Ds_e^T Yw_e; the weight-gradient kernels write every element (zeros for experts without
         #    tokens): no memset.
         if need_w2:
-            d_w2 = torch.empty_like(w2)
+            d_w2 = torch.empty(w2.shape, dtype=w2.dtype, device=dev)
             _expert_wgrad(d_sorted, y_w, d_w2, plan, cw, tma, "moe.backward.d_w2")
-        del d_sorted, y_w, part
+        del d_sorted, y_w, part, x_arg, pg, pu
         # 5) d_hidden = sum_j d(gate, up)[row(t, j)] @ w13[e]: the forward's down GEMM with w13 as [E, K, N].
         if need_hidden:
             dx = _tma.decide(tma, {"d_gate_up": (dgu, (c2.block_m, c2.block_k)), "w13": (w13, (1, c2.block_k,
@@ -184,18 +195,23 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
         # 6) d_w13[e] = d(gate, up)_e^T Xs_e.
         if need_w13:
             x_sorted = x_sorted if x_sorted is not None else gather_rows(hidden, plan)
-            d_w13 = torch.empty_like(w13)
+            d_w13 = torch.empty(w13.shape, dtype=w13.dtype, device=dev)
             _expert_wgrad(dgu, x_sorted, d_w13, plan, cw, tma, "moe.backward.d_w13")
     return d_h, d_w13, d_w2, d_tw
 
 
 def gather_rows(src: torch.Tensor, plan: AlignPlan) -> torch.Tensor:
     """[plan.max_rows, H] copy of the token rows of ``src`` [T, H] in the plan's sorted order (zeros in the
-    padding rows; rows past the live blocks are left unwritten and are never read)."""
+    padding rows; rows past the live blocks are left unwritten and are never read). Sorted plans only."""
+    if plan.direct:
+        raise ValueError("gather_rows needs a sorted plan (moe_align), got a direct plan")
+    if plan.num_slots != src.shape[0] * plan.top_k:
+        raise ValueError(f"src must have {plan.num_slots // max(plan.top_k, 1)} rows (the plan's tokens), got "
+                         f"shape {tuple(src.shape)}")
     rows, H = plan.max_rows, src.shape[1]
     out = torch.empty((rows, H), dtype=src.dtype, device=src.device)
-    bh = min(_GATHER_BLOCK_H, triton.next_power_of_2(max(H, 1)))
-    _gather_rows_kernel[(triton.cdiv(rows, _GATHER_BLOCK_R), triton.cdiv(H, bh))](
+    bh = min(_GATHER_BLOCK_H, next_power_of_2(max(H, 1)))
+    _gather_rows_kernel[(cdiv(rows, _GATHER_BLOCK_R), cdiv(H, bh))](
         src, plan.sorted_slots, plan.num_blocks, out, rows, plan.num_slots, plan.top_k, H, src.stride(0),
         src.stride(1), out.stride(0), ROWS_PER_BLOCK=plan.block_m, BLOCK_R=_GATHER_BLOCK_R, BLOCK_H=bh, num_warps=4,
     )
@@ -210,7 +226,7 @@ def _expert_wgrad(a, b, out, plan: AlignPlan, cfg: KernelConfig, tma: str, op: s
     d = _tma.decide(tma, {"a": (a, (cfg.block_k, cfg.block_m)), "b": (b, (cfg.block_k, cfg.block_n)),
                           "out": (out, (1, cfg.block_m, cfg.block_n))}, op=op)
     progs = num_programs(cfg, a.element_size(), 1, a.device)
-    grid = (min(E * triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), progs),)
+    grid = (min(E * cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), progs),)
     _expert_wgrad_kernel[grid](
         a, b, out, plan.expert_offsets, E, M, N, plan.max_rows, a.stride(0), b.stride(0), out.stride(0),
         out.stride(1), out.stride(2),

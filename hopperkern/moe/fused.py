@@ -85,9 +85,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     an expert without tokens); d_hidden sums a token's k slots in a fixed order (bitwise reproducible unless
     ``deterministic=False``); dropped slots get no gradient. When autograd records (an input requires grad and
     grad mode is on) the forward keeps the alignment plan and, unless ``recompute``, the gate/up
-    pre-activations ([rows, 2I] in hidden's dtype, rows ~ T*k) for the backward;
+    pre-activations ([rows, 2I] in hidden's dtype, rows = T*k plus up to block_m - 1 padding rows for each
+    expert that gets tokens) for the backward;
     ``recompute=True`` keeps only the plan and recomputes them in the backward (the gate/up GEMM once more:
     about 22 % more FLOPs per training step). Under ``torch.no_grad()`` / inference mode nothing is kept.
+    First-order gradients only: differentiating the backward again (double backward) raises.
 
     activation: "silu" or "gelu_tanh" (tanh approximation). tma: "auto" | "always" | "never" (per operand,
     see :func:`hopperkern.tma.decide`; decisions are recorded as "moe.gemm1" and "moe.gemm2", and for the

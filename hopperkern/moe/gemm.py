@@ -14,9 +14,9 @@ names ``"moe.gemm1"`` / ``"moe.gemm2"`` (see :func:`hopperkern.tma.last_decision
 from __future__ import annotations
 
 import torch
-import triton
 
 from .. import tma as _tma
+from .._host import cdiv, next_power_of_2
 from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
@@ -91,7 +91,7 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     d = _tma.decide(tma, operands, op="moe.gemm1")
     pg, pu = (pre_out[:, :I], pre_out[:, I:]) if save else (out, out)
     progs = num_programs(config, hidden.element_size(), 2, hidden.device)
-    grid = (min(plan.max_blocks * triton.cdiv(I, bn), progs),)
+    grid = (min(plan.max_blocks * cdiv(I, bn), progs),)
     with _tma.launch_context(hidden, "moe.gate_up"):
         _gate_up_kernel[grid](
             hidden, w13, out, pg, pu, _slots(plan), plan.block_expert, plan.num_blocks,
@@ -162,6 +162,7 @@ def slot_gemm_sum(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor |
     (``w_kn``: ``w`` = w13 [E, K, N] used as is, ``topk_weights=None``: no scale). The top-k reduction is
     deterministic (per-slot rows, then :func:`topk_sum`) or fp32 atomics; see :func:`down`. TMA flags are
     decided by the caller."""
+    _check_plan(plan, config, what)
     E = w.shape[0]
     n_out, k_dim = (w.shape[2], w.shape[1]) if w_kn else (w.shape[1], w.shape[2])
     T, k = topk_ids.shape
@@ -171,7 +172,7 @@ def slot_gemm_sum(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor |
     else:
         buf = torch.zeros((T, n_out), dtype=torch.float32, device=dev)
     progs = num_programs(config, a.element_size(), 1, dev)
-    grid = (min(plan.max_blocks * triton.cdiv(n_out, config.block_n), progs),)
+    grid = (min(plan.max_blocks * cdiv(n_out, config.block_n), progs),)
     # _down_kernel's names: N stride "stride_wh", K stride "stride_wi".
     w_n_stride, w_k_stride = (w.stride(2), w.stride(1)) if w_kn else (w.stride(1), w.stride(2))
     tw = topk_weights if topk_weights is not None else a
@@ -200,7 +201,7 @@ def _down_direct(inter, w2, topk_weights, topk_ids, plan, config, d, out_dtype):
     out = torch.empty((T, H), dtype=out_dtype, device=inter.device)
     bn = config.block_n
     progs = num_programs(config, inter.element_size(), 1, inter.device)
-    grid = (min(T * triton.cdiv(H, bn), progs),)
+    grid = (min(T * cdiv(H, bn), progs),)
     with _tma.launch_context(inter, "moe.down"):
         _down_direct_kernel[grid](
             inter, w2, out, topk_weights, plan.direct_ids,
@@ -208,7 +209,7 @@ def _down_direct(inter, w2, topk_weights, topk_ids, plan, config, d, out_dtype):
             inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(0),
             topk_weights.stride(1), out.stride(0), out.stride(1),
             BLOCK_M=config.block_m, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-            TOP_K_P=triton.next_power_of_2(k), Y_TMA=d["inter"], W_TMA=d["w2"],
+            TOP_K_P=next_power_of_2(k), Y_TMA=d["inter"], W_TMA=d["w2"],
             DOT_PRECISION=dot_precision(inter.dtype), NUM_PROGRAMS=progs, FLATTEN=config.flatten,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -229,9 +230,9 @@ def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
     out = torch.empty((T, H), dtype=out_dtype or slot_rows.dtype, device=slot_rows.device)
     if T == 0 or H == 0:
         return out
-    bh = min(block_h, triton.next_power_of_2(H))
+    bh = min(block_h, next_power_of_2(H))
     with _tma.launch_context(slot_rows, "moe.topk_sum"):
-        _topk_sum_kernel[(T, triton.cdiv(H, bh))](
+        _topk_sum_kernel[(T, cdiv(H, bh))](
             slot_rows, topk_ids.reshape(-1), out, num_experts, H, slot_rows.stride(0), out.stride(0),
             out.stride(1), TOP_K=k, BLOCK_H=bh, num_warps=4,
         )

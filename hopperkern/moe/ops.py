@@ -112,9 +112,10 @@ def _(hidden, w13, w2, topk_weights, topk_ids, activation, tma, check, determini
             _empty(hidden, blocks, **i32), _empty(hidden, E + 1, **i32), _empty(hidden, 1, **i32))
 
 
-def _plan(sorted_slots, block_expert, expert_offsets, num_blocks, T, k, E) -> AlignPlan:
+def _plan(sorted_slots, block_expert, expert_offsets, num_blocks, T, k, E, block_m: int) -> AlignPlan:
+    """The forward's plan from its saved tensors; ``block_m`` (the config's) serves an empty plan."""
     max_blocks = block_expert.numel()
-    block_m = sorted_slots.numel() // max(max_blocks, 1) if max_blocks else 16
+    block_m = sorted_slots.numel() // max_blocks if max_blocks else block_m
     return AlignPlan(sorted_slots=sorted_slots, block_expert=block_expert, expert_offsets=expert_offsets,
                      expert_counts=expert_offsets[:0], num_blocks=num_blocks, block_m=block_m, max_blocks=max_blocks,
                      num_slots=T * k, top_k=k, num_experts=E)
@@ -128,8 +129,8 @@ def moe_backward_op(d_out: Tensor, hidden: Tensor, w13: Tensor, w2: Tensor, topk
     """(d_hidden, d_w13, d_w2, d_topk_weights); a gradient that ``needs`` does not ask for is an empty tensor."""
     T, k = topk_ids.shape
     E = w13.shape[0]
-    plan = _plan(sorted_slots, block_expert, expert_offsets, num_blocks, T, k, E)
     cfg = _config(hidden, w13, w2, topk_ids, config)
+    plan = _plan(sorted_slots, block_expert, expert_offsets, num_blocks, T, k, E, cfg.gemm1.block_m)
     if cfg.gemm1.block_m != plan.block_m and plan.max_blocks:
         # The tuning file changed between forward and backward: keep the plan's block_m, heuristic tiles.
         from .configs import heuristic_config
