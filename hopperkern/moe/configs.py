@@ -24,6 +24,7 @@ INTERPRETER_CONFIG = MoeConfig(
 )
 
 _WARNED_KEYS: set = set()
+_CHOSEN: dict = {}  # (tuning file object id, shape, dtype, T, top_k, SMs) -> (the file object, (config, origin))
 
 _SMEM_PER_SM = 228 * 1024     # sm_90: 228 KiB per SM (227 KiB per block), 1 KiB of it reserved per resident block
 _REGS_PER_SM = 64 * 1024
@@ -122,7 +123,22 @@ def moe_launch_config(E: int, H: int, I: int, dtype, T: int, top_k: int,  # noqa
     if interpreter_active():
         return INTERPRETER_CONFIG, "interpreter"
     # The tuning file of the inputs' GPU, not of the current one (they differ on a multi-GPU host).
-    tuning = load_config(capability(device).device_name if device is not None else None)
+    cap = capability(device)
+    tuning = load_config(cap.device_name if device is not None else None)
+    # Per call: one lookup in a dict keyed by the parsed file object (load_config returns the same object until
+    # the file or HOPPERKERN_CONFIG changes) and the problem's shape.
+    key = (id(tuning), E, H, I, dtype, T, top_k, cap.sm_count)
+    hit = _CHOSEN.get(key)
+    if hit is not None and hit[0] is tuning:
+        return hit[1]
+    chosen = _choose(tuning, E, H, I, dtype, T, top_k, cap.sm_count)
+    if len(_CHOSEN) >= 4096:
+        _CHOSEN.clear()
+    _CHOSEN[key] = (tuning, chosen)
+    return chosen
+
+
+def _choose(tuning, E, H, I, dtype, T, top_k, sm_count):  # noqa: E741
     cfg = tuning.moe_config(E, H, I, dtype, T)
     if cfg is not None:
         return cfg, tuning.origin
@@ -133,6 +149,6 @@ def moe_launch_config(E: int, H: int, I: int, dtype, T: int, top_k: int,  # noqa
             warnings.warn(
                 f"hopperkern: tuning file {tuning.origin} has no MoE entry {key[1]}; using heuristics. "
                 f"Tune it with: python -m benchmarks.tune_moe",
-                stacklevel=3,
+                stacklevel=4,
             )
-    return heuristic_config(E, H, I, T, top_k, capability(device).sm_count), "heuristics"
+    return heuristic_config(E, H, I, T, top_k, sm_count), "heuristics"
