@@ -5,10 +5,13 @@ These run on the host before any launch and use real exceptions (``assert`` vani
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # other subclasses may have no storage to ask about
 
 
 def dot_precision(dtype) -> str:
@@ -24,6 +27,29 @@ def _names(dtypes) -> str:
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not torch.compiler.is_compiling():  # traced calls see fake tensors; the eager checks below need real ones
+        check_local_memory(name, t)
+
+
+def check_local_memory(name: str, t: torch.Tensor) -> None:
+    """Refuse tensors whose elements are not in local memory, which the kernels would read through a raw pointer.
+
+    - A DTensor (FSDP2 parameters outside the wrapped module's forward, tensor parallelism) has no storage of
+      its own: a launch would fail with "invalid python storage", a recorded call with a missing sharding rule.
+    - A plain tensor whose storage was freed (``untyped_storage().resize_(0)``, as FSDP1 does to the gathered
+      parameters after the forward) keeps a stale pointer: the kernels would read garbage without an error.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor can exist before this module is imported
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        raise TypeError(
+            f"{name} must be a plain torch.Tensor, got a DTensor with placements {tuple(t.placements)}: hopperkern's "
+            f"kernels read local memory. Pass {name}.full_tensor(); for FSDP2 parameters, call the op inside the "
+            "forward of the module that fully_shard wraps, where they are gathered into plain tensors")
+    if type(t) in _PLAIN_TENSORS and t.numel() and t.untyped_storage().nbytes() == 0:
+        raise ValueError(
+            f"{name} must hold its {t.numel()} elements in memory, got a tensor of shape {tuple(t.shape)} whose "
+            "storage is empty (freed, as FSDP does to gathered parameters after the forward). Call the op "
+            "inside the wrapped module's forward")
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed) -> None:

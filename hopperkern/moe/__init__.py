@@ -14,6 +14,8 @@ Pipeline (each piece public, documented in its module):
 - :func:`fused_moe` (``fused``): all of the above with validation and launch configs (``configs``), through
   the ``hopperkern::moe_forward`` / ``hopperkern::moe_backward`` custom ops (``ops``): differentiable, and
   traceable by ``torch.compile(fullgraph=True)``.
+- :class:`MoEBlock` (``modules``): router + experts as an ``nn.Module`` (parameters ``gate.weight``, ``w13``,
+  ``w2``), with loaders for the per-expert weights of Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints.
 - :mod:`hopperkern.moe.reference`: plain-PyTorch reference with the same signature.
 """
 
@@ -23,12 +25,15 @@ from .backward import moe_backward
 from .configs import heuristic_config, moe_launch_config
 from .fused import check_expert_ids, fused_moe
 from .gemm import ACTIVATIONS, down, gate_up, topk_sum
+from .modules import LAYOUTS, MoEBlock
 from .routing import SCORINGS, route
 
 __all__ = [
     "ACTIVATIONS",
+    "LAYOUTS",
     "SCORINGS",
     "AlignPlan",
+    "MoEBlock",
     "check_expert_ids",
     "direct_plan",
     "down",
