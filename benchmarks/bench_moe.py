@@ -33,14 +33,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import capture_graph, graph_ms, measure_ceilings, run_meta, write_csv
+from hopperkern.tune.shapes import MOE_SHAPES
 
-SHAPES = {  # name: (E, top_k, H, I), shared/PERF.md
-    "qwen3-30B-A3B": (128, 8, 2048, 768),
-    "deepseek-V3-TP8": (256, 8, 7168, 256),
-    "mixtral-8x7B": (8, 2, 4096, 14336),
-    "qwen3-235B-TP4": (128, 8, 4096, 384),
-    "gpt-oss-120B": (128, 4, 2880, 2880),
-}
+SHAPES = MOE_SHAPES  # name: (E, top_k, H, I): the shapes the tuner sweeps
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 QUICK_SHAPES = ("qwen3-30B-A3B", "mixtral-8x7B")
 QUICK_TOKENS = (1, 64, 4096)

@@ -21,7 +21,7 @@ for s in $steps; do
     info) python3 -m hopperkern.info 2>&1 | tee "$out/info.txt"; python3 -m hopperkern.info --json > "$out/info.json" ;;
     tests) python3 -m pytest -m gpu -q -x --durations=10 -p no:cacheprovider 2>&1 | tail -n 60 | tee "$out/gpu_tests.txt" ;;
     cputests) python3 -m pytest -m "not gpu" -q -x -p no:cacheprovider 2>&1 | tail -n 30 | tee "$out/compiled_tests.txt" ;;
-    tune) python3 -m benchmarks.tune --out configs/ 2>&1 | tee "$out/tune.txt"; cp configs/*.json "$out/" 2>/dev/null ;;
+    tune) python3 -m hopperkern.tune --out configs/ 2>&1 | tee "$out/tune.txt"; cp configs/*.json "$out/" 2>/dev/null ;;
     lce) python3 -m benchmarks.bench_lce --out "$out" 2>&1 | tail -n 80 ;;
     lcequick) python3 -m benchmarks.bench_lce --out "$out" --quick 2>&1 | tail -n 60 ;;
     moe) python3 -m benchmarks.bench_moe --out "$out" 2>&1 | tail -n 80 ;;

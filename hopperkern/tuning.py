@@ -1,6 +1,6 @@
 """Per-GPU tuning files: ``configs/<DEVICE_NAME>.json``, validated with pydantic.
 
-Only a tuner writes these files (``python -m benchmarks.tune``); ops read them through :func:`load_config`.
+Only the tuner writes these files (``python -m hopperkern.tune``); ops read them through :func:`load_config`.
 
 Lookup order for ``load_config(source=None)``:
 
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-TUNER_COMMAND = "python -m benchmarks.tune --out configs/"
+TUNER_COMMAND = "python -m hopperkern.tune --out configs/"
 _WARPS = (1, 2, 4, 8, 16)
 
 

@@ -159,7 +159,7 @@ def test_tuning_fallback_is_reported_without_a_warning(monkeypatch):
         t = info.collect()["tuning"]
     assert t["loaded"] == "built-in defaults" and t["why"] == "current GPU" and t["error"] is None
     assert t["looked_for"] == [str(d / "NVIDIA_Untuned_Test_GPU.json") for d in tuning.packaged_config_dirs()]
-    assert t["hint"] == "tune this GPU with: python -m benchmarks.tune --out configs/"
+    assert t["hint"] == "tune this GPU with: python -m hopperkern.tune --out configs/"
 
 
 def test_tuning_file_in_use(tmp_path, monkeypatch):

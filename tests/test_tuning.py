@@ -142,7 +142,7 @@ def test_fallback_warns_once_naming_file_and_tuner():
     assert "no tuning file found (looked for " in msg
     for d in tuning.packaged_config_dirs():
         assert str(d / "Test_GPU_9000.json") in msg
-    assert msg.endswith("Tune this GPU with: python -m benchmarks.tune --out configs/")
+    assert msg.endswith("Tune this GPU with: python -m hopperkern.tune --out configs/")
     assert rec[0].filename == __file__  # stacklevel points at the caller
     for cfg in (first, second):
         assert cfg.is_default and cfg.origin == "built-in defaults"

@@ -4,7 +4,7 @@ Lookup (:func:`moe_launch_config`): under Triton's interpreter a small fixed con
 otherwise ``hopperkern.tuning.load_config(<the inputs' GPU>).moe_config(E, H, I, dtype, T)`` (nearest token
 bucket), and when that is None, :func:`heuristic_config` with that GPU's SM count. A tuning file that exists
 but lacks the shape warns once per shape key (the loader itself warns once when no file exists). Tune with
-``python -m benchmarks.tune_moe``.
+``python -m hopperkern.tune --only moe``.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def moe_launch_config(E: int, H: int, I: int, dtype, T: int, top_k: int,  # noqa
             _WARNED_KEYS.add(key)
             warnings.warn(
                 f"hopperkern: tuning file {tuning.origin} has no MoE entry {key[1]}; using heuristics. "
-                f"Tune it with: python -m benchmarks.tune_moe",
+                f"Tune it with: python -m hopperkern.tune --only moe",
                 stacklevel=3,
             )
     return heuristic_config(E, H, I, T, top_k, capability(device).sm_count), "heuristics"
