@@ -143,7 +143,8 @@ def test_moe_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
 
 def test_merge_into_file_keeps_other_entries(tmp_path, monkeypatch):
     """The one writer of tuning files: new buckets merge into the existing file, every other entry and section
-    is kept, the device and Triton version are stamped, and the file loads through the lookup by device name."""
+    is kept, the device and Triton version are stamped, and the file is written in canonical order and loads
+    through the lookup by device name."""
     import triton
 
     from hopperkern import tuning
@@ -159,9 +160,9 @@ def test_merge_into_file_keeps_other_entries(tmp_path, monkeypatch):
     merge_into_file(path, lce={"forward:bfloat16:H64": {"16384": k}}, device_name="Test GPU")
     cfg = tuning.load_config("Test GPU")
     assert cfg.origin == str(path) and (cfg.device_name, cfg.triton_version) == ("Test GPU", triton.__version__)
-    assert set(cfg.lce["forward:bfloat16:H64"]) == {"2048", "16384"}
+    assert list(cfg.lce["forward:bfloat16:H64"]) == ["2048", "16384"]
     assert cfg.moe["E4_H64_I32_bfloat16"]["1"].fused_topk
-    assert cfg.tuner == "python -m hopperkern.tune"
+    assert cfg.tuner == "python -m hopperkern.tune" and path.read_text() == cfg.canonical_json()
 
 
 def test_command_line_help_and_no_gpu(capsys):
