@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: same-run ceilings, run metadata, CSV output, plots' labels.
+"""Shared benchmark plumbing: same-run ceilings, run metadata, CSV in and out, plot set-up.
 
 The timing helpers live in the package (:mod:`hopperkern.tune.timing`, which the tuner shares); they are
 re-exported here so that every benchmark imports its plumbing from this one module.
@@ -16,8 +16,8 @@ import torch
 
 from hopperkern.tune.timing import capture_graph, graph_ms, pick_fastest, rel_err, time_cuda
 
-__all__ = ["capture_graph", "git_sha", "graph_ms", "measure_ceilings", "pick_fastest", "rel_err", "run_meta",
-           "time_cuda", "write_csv"]
+__all__ = ["MATPLOTLIB_MISSING", "capture_graph", "git_sha", "graph_ms", "load_csv", "measure_ceilings",
+           "pick_fastest", "pyplot", "redraw", "rel_err", "run_label", "run_meta", "time_cuda", "write_csv"]
 
 
 def measure_ceilings() -> dict:
@@ -84,3 +84,56 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+
+
+def load_csv(path: Path) -> list[dict]:
+    """Rows of a stored CSV with numbers parsed back and empty cells as None (to redraw a plot: ``--plot-from``)."""
+
+    def num(v):
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                return float(v)
+            except ValueError:
+                return v or None
+
+    with open(path, newline="") as f:
+        return [{k: num(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+MATPLOTLIB_MISSING = ("matplotlib is not installed, so no plot was drawn (the CSV has every figure): "
+                      'pip install "hopperkern[bench]"')
+
+
+def pyplot(who: str):
+    """``matplotlib.pyplot`` on the Agg backend, or None after saying on stderr that matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        import sys
+
+        print(f"{who}: {MATPLOTLIB_MISSING}", file=sys.stderr)
+        return None
+    return plt
+
+
+def run_label(row: dict, dtype: str = "bf16") -> str:
+    """``NVIDIA H200, bf16, torch 2.11.0+cu130, triton 3.6.0, hopperkern abc1234``: what a plot's figures ran on."""
+    return (f"{row.get('device')}, {dtype}, torch {row.get('torch')}, triton {row.get('triton')}, "
+            f"hopperkern {row.get('git_sha')}")
+
+
+def redraw(csv_path: Path, out_dir: Path | None, who: str, plot) -> int:
+    """``--plot-from``: draw ``plot(rows, png)`` from a stored CSV into ``out_dir/<CSV name>.png`` (default: beside
+    the CSV), without a GPU. Returns the exit code: 1 when matplotlib is missing."""
+    if pyplot(who) is None:
+        return 1
+    png = (out_dir or csv_path.parent) / csv_path.with_suffix(".png").name
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot(load_csv(csv_path), png)
+    print(f"{who}: drew {png} from {csv_path}")
+    return 0

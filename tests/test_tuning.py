@@ -415,6 +415,9 @@ def test_pyproject_ships_configs_in_the_wheel():
     assert "hopperkern.configs" in st["packages"]
     assert st["package-dir"]["hopperkern.configs"] == "configs"
     assert "*.json" in st["package-data"]["hopperkern.configs"]
+    # every package of the source tree goes into the wheel (the tuner too: python -m hopperkern.tune)
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "hopperkern").rglob("__init__.py")}
+    assert found <= set(st["packages"]) and "hopperkern.tune" in found
 
 
 # ---------------------------------------------------------------------------------------------------------------
