@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# One device session: GPU tests, optional tuning, benchmarks. Everything lands under $OUT (or $1).
-#   bash benchmarks/gpu_session.sh OUT_DIR "STEPS"   STEPS: any of info tests cputests tune lce moe lcequick moequick
-# Pydantic (and Liger / CCE) travel as wheels in .whl/ (carried); see the device tool's README.
+# Everything a GPU machine checks, in one go: the report, GPU tests, tuning, benchmarks. Output lands under $1 (or $OUT).
+#   bash benchmarks/on_gpu.sh OUT_DIR "STEPS"   STEPS: any of info tests cputests tune lce moe lcequick moequick,
+#                                               or a Python statement to run
+# Wheels in .whl/ (pydantic, Liger, CCE for a machine without a package index) are installed into a temporary folder
+# first, without dependencies.
 set -uo pipefail
 out=${1:-${OUT:-out}}
 steps=${2:-"info tests lce moe"}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+  site=$(mktemp -d) || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    && export PYTHONPATH=$site:$PWD || exit 1
 else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
-stamp() { echo "[gpu_session +$(( $(date +%s) - t0 ))s] $*"; }
+stamp() { echo "[on_gpu +$(( $(date +%s) - t0 ))s] $*"; }
 for s in $steps; do
   stamp "step $s"
   case $s in
