@@ -332,6 +332,21 @@ def test_nvidia_driver_version_unreadable_is_could_not_collect(monkeypatch):
         "could not collect: RuntimeError: no /proc/driver/nvidia/version and nvidia-smi failed")
 
 
+def test_cuda_runtime_version_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(capmod, "_cuda_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no CUDA GPU is available"):
+        capmod.cuda_runtime_version()
+    with pytest.raises(RuntimeError, match="no CUDA GPU is available"):
+        capmod.nvidia_driver_version()
+
+
+def test_installation_strings_are_escaped(monkeypatch):
+    monkeypatch.setattr(info, "_installation", lambda: {"path": "/opt/[bold]site[/bold]/hopperkern",
+                                                        "kind": "wheel install", "git": "[red]abc1234"})
+    text = _rendered(info.collect())
+    assert "/opt/[bold]site[/bold]/hopperkern (wheel install)" in text and "[red]abc1234" in text
+
+
 def test_cpu_without_interpreter_does_not_claim_tensor_descriptors(monkeypatch):
     """Triton has the descriptor API, but with no GPU and the interpreter off nothing can use it: the report says
     "no" and why, never a bare "yes"."""

@@ -31,7 +31,7 @@ MOE_KEY = "E128_H2048_I768_bfloat16"
 VALID = {
     "schema_version": 1,
     "device_name": "NVIDIA H200",
-    "triton_version": "3.6.0",
+    "triton_version": triton.__version__,  # the running one: no version warning in tests that count warnings
     "lce": {LCE_KEY: {"1": K64, "64": K64, "4096": K128}, "forward:bfloat16:H1024": {"64": K_SMALL_H}},
     "moe": {MOE_KEY: {"1": {"gemm1": K64, "gemm2": K64}, "4096": {"gemm1": K128, "gemm2": K128}}},
 }
@@ -86,7 +86,7 @@ def test_device_name_in_hopperkern_config_folder(tmp_path, monkeypatch):
 
 def test_current_gpu_in_hopperkern_config_folder(tmp_path, monkeypatch):
     fake = Capability(cuda_available=True, interpreter=False, device_name="NVIDIA H200", compute_capability=(9, 0),
-                      sm_count=132, triton_version="3.6.0", tensor_descriptors=True, tma=True, reasons=())
+                      sm_count=132, triton_version=triton.__version__, tensor_descriptors=True, tma=True, reasons=())
     monkeypatch.setattr(capmod, "capability", lambda device=None: fake)
     p = _write(tmp_path / "NVIDIA_H200.json", VALID)
     monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
@@ -220,13 +220,13 @@ def test_hopper_gpu_without_a_file_loads_the_packaged_h200_file_with_one_warning
     assert second is first and not first.is_default
     assert Path(first.origin) == REPO / "configs" / "NVIDIA_H200.json" and first.device_name == "NVIDIA H200"
     assert first.why == f"closest file of the same architecture (sm_90): no file for {device} (current GPU)"
-    msgs = [str(w.message) for w in rec]
+    msgs = [str(w.message) for w in rec if "tuned with triton" not in str(w.message)]  # the shipped file's triton
     assert len(msgs) == 1, msgs
     assert msgs[0].startswith(f"hopperkern: no tuning file for {device} (looked for ")
     assert f"{stem}.json" in msgs[0] and f"using {first.origin} (tuned on NVIDIA H200)" in msgs[0]
     assert "the closest file of the same architecture (sm_90)" in msgs[0]
     assert msgs[0].endswith("Tune this GPU with: python -m hopperkern.tune --out configs/")
-    assert rec[0].filename == __file__
+    assert all(w.filename == __file__ for w in rec)
 
 
 def test_gpu_of_another_architecture_gets_defaults_not_a_hopper_file(monkeypatch):
@@ -370,8 +370,10 @@ def test_shipped_files_are_in_canonical_order():
     files = sorted((REPO / "configs").glob("*.json"))
     if not files:
         pytest.skip("not a source checkout")
-    for f in files:
-        assert f.read_text() == load_config(f).canonical_json(), f"{f.name}: rewrite it with TuningConfig.save"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a file tuned with another triton than this test's
+        for f in files:
+            assert f.read_text() == load_config(f).canonical_json(), f"{f.name}: rewrite it with TuningConfig.save"
 
 
 # ---------------------------------------------------------------------------------------------------------------
