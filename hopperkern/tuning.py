@@ -422,10 +422,10 @@ def config_search(source=None) -> ConfigSearch:
                                       f"({why_dev})", closest_to=device, named=True, listed=listed, arch=arch)
 
 
-_WARNED: set = set()
-# (source, HOPPERKERN_CONFIG, current GPU) -> (file or None, why, named, files that must stay absent, folders whose
-# modification time must not change): the result of a search, valid while those files stay absent and folders
-# unchanged.
+_WARNED: set = set()  # keys of the warnings given: one per missing file, per closest file, per Triton mismatch
+# (source, HOPPERKERN_CONFIG, current GPU) -> (file or None, why, named, files that must stay absent, (folder,
+# modification time) pairs that must not change, the fallback warning due or None): a search's result, valid while
+# those files stay absent and those folders unchanged.
 _FOUND: dict = {}
 
 
