@@ -28,14 +28,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import capture_graph, run_meta, write_csv
+from hopperkern.tune.shapes import MOE_SHAPES
 
-MOE_SHAPES = {
-    "qwen3-30B-A3B": (128, 8, 2048, 768),
-    "deepseek-V3-TP8": (256, 8, 7168, 256),
-    "mixtral-8x7B": (8, 2, 4096, 14336),
-    "qwen3-235B-TP4": (128, 8, 4096, 384),
-    "gpt-oss-120B": (128, 4, 2880, 2880),
-}
 MOE_TOKENS = (1, 16, 256)
 LCE_SHAPE = (4096, 128256)  # H, V
 LCE_TOKENS = (256, 2048)

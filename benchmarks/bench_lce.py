@@ -3,17 +3,17 @@
 For each (N, H, V) and mode it reports time, the ratio to the cuBLAS floors measured in the same run,
 peak extra memory and the error of loss / dH / dW against an fp32 reference.
 
-Floors (cuBLAS bf16, this run): 1G = h @ w.T; 3G = 1G + dlogits @ w + dlogits.T @ h; 4G = 3G + 1G.
-Modes: ``fwd`` = no-grad log-probs + entropy (floor 1G); ``sft`` = sum-loss forward + backward (floor 3G);
-``rl`` = log-probs + entropy forward + backward with per-token upstream grads (floor 4G).
+Shapes are N tokens x H hidden x V vocabulary. Floors (cuBLAS bf16, this run): 1G = h @ w.T;
+3G = 1G + dlogits @ w + dlogits.T @ h; 4G = 3G + 1G. Modes: ``fwd`` = no-grad log-probs + entropy (floor 1G);
+``sft`` = sum-loss forward + backward (floor 3G); ``rl`` = log-probs + entropy forward + backward with per-token
+upstream grads (floor 4G). A ratio of 1.0 is as fast as cuBLAS doing only those GEMMs; lower is better.
 
-Timing (since session 6): every provider and every floor is timed with calls enqueued back to back and one
-synchronisation at the end (benchmarks.common.time_cuda(back_to_back=True)), as in a training loop: host work
-overlaps the previous call's kernels, while a sync inside an op (hopperkern's default label check) still
-counts. Before, each call was synchronised alone, which added every provider's host latency to its GPU time
-(~0.7 ms on hopperkern's 1 ms forward at 2169 x 896).
+Timing: every provider and every floor is timed with calls enqueued back to back and one synchronisation at the
+end (benchmarks.common.time_cuda(back_to_back=True)), as in a training loop: host work overlaps the previous
+call's kernels, while a sync inside an op (hopperkern's default label check) still counts.
 
     python -m benchmarks.bench_lce --out DIR [--quick] [--compile-shapes K]
+    python -m benchmarks.bench_lce --plot-from benchmarks/results/lce_NVIDIA_H200.csv   # redraw, no GPU needed
 """
 
 from __future__ import annotations
@@ -28,12 +28,26 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import measure_ceilings, run_meta, time_cuda, write_csv
+from benchmarks.common import measure_ceilings, pyplot, redraw, run_label, run_meta, time_cuda, write_csv
 
 SHAPES = [(8192, 4096, 128256), (32768, 4096, 128256), (16384, 3584, 152064), (8192, 2304, 256000),
           (1937, 3584, 152064), (2169, 896, 151936)]
 QUICK = [(8192, 4096, 128256), (2169, 896, 151936)]
 FLOORS = {"fwd": "1G", "sft": "3G", "rl": "4G"}
+MODES = {  # mode: what one timed call does (the plot's panel titles)
+    "fwd": "fwd: log-probs + entropy, no grad (floor 1G = h @ w.T)",
+    "sft": "sft: sum loss, forward + backward (floor 3G = 1G + dlogits @ w + dlogits.T @ h)",
+    "rl": "rl: log-probs + entropy, forward + backward (floor 4G = 3G + 1G)",
+}
+PROVIDERS = {  # provider: what it runs (the plot's legend)
+    "hopperkern": "hopperkern, tma='auto' (TMA for every eligible operand)",
+    "hopperkern-ptr": "hopperkern, tma='never' (pointer loads only)",
+    "torch": "torch: h @ w.T, then F.cross_entropy / log_softmax on fp32 logits",
+    "torch.compile": "torch.compile of the torch provider",
+    "liger": "Liger-Kernel fused linear cross-entropy (loss only: sft)",
+    "cce": "Cut Cross-Entropy, Apple (loss only: sft)",
+}
+RATIO_TOP = 3.0  # the plot's y limit: taller bars are cut there and labelled with their value
 
 
 def _providers(compile_ok: bool):
@@ -184,35 +198,50 @@ def run_case(N, H, V, provs, reps, with_errors, ceilings):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
+    """Bars of time / floor per shape, one panel per mode, on a linear axis from 0 to RATIO_TOP (lower is
+    better; 1.0 = the cuBLAS floor of the same run). Each shape's label carries its floor in ms."""
+    plt = pyplot("bench_lce")
+    if plt is None:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
-    shapes = sorted({(r["N"], r["H"], r["V"]) for r in rows})
-    provs = []
-    for r in rows:
-        if r["provider"] not in provs:
-            provs.append(r["provider"])
-    for ax, mode in zip(axes, ("fwd", "sft", "rl")):
-        width = 0.8 / max(1, len(provs))
+    rows = [r for r in rows if r.get("ratio") is not None]
+    shapes = sorted({(r["N"], r["H"], r["V"]) for r in rows}, key=lambda s: (-s[0] * s[1] * s[2], s))
+    provs = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    provs += sorted({r["provider"] for r in rows} - set(provs))
+    colors = dict(zip(provs, plt.get_cmap("tab10").colors))
+    fig, axes = plt.subplots(3, 1, figsize=(13, 14), sharey=True)
+    width = 0.8 / max(1, len(provs))
+    for ax, mode in zip(axes, MODES):
+        floor = FLOORS[mode]
         for i, p in enumerate(provs):
-            ys = []
-            for s in shapes:
-                v = [r.get("ratio") for r in rows if (r["N"], r["H"], r["V"]) == s and r["provider"] == p
-                     and r["mode"] == mode]
-                ys.append(v[0] if v and v[0] is not None else 0)
-            ax.bar([j + i * width for j in range(len(shapes))], ys, width, label=p)
+            for j, s in enumerate(shapes):
+                hit = [r for r in rows if (r["N"], r["H"], r["V"]) == s and r["provider"] == p and r["mode"] == mode]
+                if not hit:
+                    continue
+                x, y = j + (i - (len(provs) - 1) / 2) * width, float(hit[0]["ratio"])
+                ax.bar(x, min(y, RATIO_TOP), width, color=colors[p])
+                if y > RATIO_TOP:
+                    ax.text(x, RATIO_TOP, f"{y:.1f}", ha="center", va="bottom", fontsize=6, rotation=90)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([j + 0.4 for j in range(len(shapes))])
-        ax.set_xticklabels([f"{n}x{h}x{v}" for n, h, v in shapes], rotation=30, fontsize=7)
-        ax.set_title(f"{mode}: time / {FLOORS[mode]} (cuBLAS floor, same run)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+        ax.set_ylim(0, RATIO_TOP * 1.08)
+        ax.set_yticks([0, 0.5, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0])
+        ax.grid(True, axis="y", lw=0.3)
+        ax.set_xticks(range(len(shapes)))
+        labels = []
+        for s in shapes:
+            f = next(r for r in rows if (r["N"], r["H"], r["V"]) == s)[f"floor_{floor}_ms"]
+            labels.append(f"{s[0]} x {s[1]} x {s[2]}\n{floor} = {f:.1f} ms")
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel("time / floor")
+        ax.set_title(MODES[mode], fontsize=9)
+    fig.suptitle(f"Fused linear cross-entropy: time / cuBLAS floor of the same run, lower is better (bars taller "
+                 f"than {RATIO_TOP:g} are cut and labelled)\nN x H x V = tokens x hidden x vocabulary; "
+                 f"{run_label(rows[0])}", fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in provs]
+    fig.legend(handles, [f"{p}: {PROVIDERS.get(p, p)}" for p in provs], loc="lower center", ncol=2, fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(rows):
@@ -231,13 +260,16 @@ def table(rows):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile-shapes", type=int, default=1, help="torch.compile on the first K shapes only")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-errors", action="store_true")
+    ap.add_argument("--plot-from", type=Path, default=None, help="redraw the plot of a stored CSV into --out")
     args = ap.parse_args(argv)
+    if args.plot_from is not None:
+        return redraw(args.plot_from, args.out, "bench_lce", plot)
     if not torch.cuda.is_available():
         print("bench_lce: no CUDA GPU, nothing to time")
         return 0

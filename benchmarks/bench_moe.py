@@ -7,9 +7,8 @@ graph; the torch._grouped_mm MLP is captured too): there an eager loop is bound 
 samples of one config spread over 418-934 us), so it would time Python, not the GPU. Larger M
 eagerly (the `timing` column says which). For M <= 64 also ``time_us_graph10``: per call in a graph of 10
 calls, each after an L2 flush (a decode step inside a model-wide graph, where each layer reads new weights; a
-single-call replay also pays a graph launch, ~10 us at M = 1). Until session 6's last commits this column
-was measured WITHOUT the flushes, so calls 2-10 could find the weights in L2: those stored figures are
-optimistic. Every provider is checked against an fp32 reference before it is timed.
+single-call replay also pays a graph launch, ~10 us at M = 1). Every provider is checked against an fp32
+reference before it is timed.
 
 Models (written next to the figures):
   bytes  = distinct experts touched (counted from the ids) x (2I*H + H*I) x 2  +  x and out (2 x M*H*2)
@@ -18,6 +17,7 @@ Models (written next to the figures):
   (reported for M >= 1024). Both ceilings are measured in the same run (common.measure_ceilings).
 
     python -m benchmarks.bench_moe --out DIR [--quick] [--shapes qwen3-30B-A3B mixtral-8x7B ...]
+    python -m benchmarks.bench_moe --plot-from benchmarks/results/moe_NVIDIA_H200.csv   # redraw, no GPU needed
 """
 
 from __future__ import annotations
@@ -32,15 +32,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import capture_graph, graph_ms, measure_ceilings, run_meta, write_csv
+from benchmarks.common import capture_graph, graph_ms, measure_ceilings, pyplot, redraw, run_label, run_meta, write_csv
+from hopperkern.tune.shapes import MOE_SHAPES
 
-SHAPES = {  # name: (E, top_k, H, I), shared/PERF.md
-    "qwen3-30B-A3B": (128, 8, 2048, 768),
-    "deepseek-V3-TP8": (256, 8, 7168, 256),
-    "mixtral-8x7B": (8, 2, 4096, 14336),
-    "qwen3-235B-TP4": (128, 8, 4096, 384),
-    "gpt-oss-120B": (128, 4, 2880, 2880),
-}
+SHAPES = MOE_SHAPES  # name: (E, top_k, H, I): the shapes the tuner sweeps
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 QUICK_SHAPES = ("qwen3-30B-A3B", "mixtral-8x7B")
 QUICK_TOKENS = (1, 64, 4096)
@@ -48,6 +43,12 @@ GRAPH_MAX_M = 1024
 DECODE_MAX_M = 64  # also timed per call inside a 10-call graph (time_us_graph10)
 DEVICE, DTYPE = "cuda", torch.bfloat16  # module-level so a CPU dry run of the plumbing can swap them
 CHECK_ROWS = 256  # rows of out compared with the fp32 reference (rows are independent)
+PROVIDERS = {  # provider: what it runs (the plot's legend)
+    "hopperkern": "hopperkern fused_moe, tma='auto' (TMA for weights and sorted rows)",
+    "hopperkern-ptr": "hopperkern fused_moe, tma='never' (pointer loads only)",
+    "hopperkern-atomic": "hopperkern fused_moe, deterministic=False (fp32 atomic top-k sum)",
+    "torch._grouped_mm": "torch: sort slots, two torch._grouped_mm GEMMs, silu * up, weighted sum (the 1.0 line)",
+}
 
 
 def torch_grouped_moe(x, w13, w2, weights, ids):
@@ -193,31 +194,54 @@ def check_grouped_mm_small() -> str:
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
+    """Per shape: the speed-up over the torch._grouped_mm MLP of the same run (top, higher is better) and the share
+    of the measured ceiling (bottom: copy bandwidth up to M = 256, cuBLAS bf16 rate from M = 1024), both on
+    linear axes, at each token count M."""
+    plt = pyplot("bench_moe")
+    if plt is None:
         return
+    rows = [r for r in rows if r.get("time_us") is not None]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    provs = list(dict.fromkeys(r["provider"] for r in rows))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 4), squeeze=False)
-    for ax, s in zip(axes[0], shapes):
-        for p in provs:
-            pts = sorted((r["M"], r["time_us"]) for r in rows if r["shape"] == s and r["provider"] == p
-                         and r.get("time_us"))
-            if pts:
-                ax.plot([m for m, _ in pts], [t for _, t in pts], marker="o", label=p)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens M")
-        ax.set_title(s, fontsize=9)
-        ax.grid(True, which="both", lw=0.3)
-    axes[0][0].set_ylabel("latency (us), bf16")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    provs = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    provs += sorted({r["provider"] for r in rows} - set(provs))
+    ours = [p for p in provs if p != "torch._grouped_mm"]
+    colors = dict(zip(provs, plt.get_cmap("tab10").colors))
+    fig, axes = plt.subplots(2, len(shapes), figsize=(4.4 * len(shapes), 8.5), squeeze=False, sharey="row")
+    width = 0.8 / max(1, len(ours))
+    for col, s in enumerate(shapes):
+        tokens = sorted({r["M"] for r in rows if r["shape"] == s})
+        top, bottom = axes[0][col], axes[1][col]
+        for i, p in enumerate(ours):
+            for j, M in enumerate(tokens):
+                hit = [r for r in rows if r["shape"] == s and r["provider"] == p and r["M"] == M]
+                if not hit:
+                    continue
+                x = j + (i - (len(ours) - 1) / 2) * width
+                if hit[0].get("speedup_vs_torch") is not None:
+                    top.bar(x, hit[0]["speedup_vs_torch"], width, color=colors[p])
+                pct = hit[0].get("pct_copy_bw") if M <= 256 else hit[0].get("pct_cublas")
+                if pct is not None:
+                    bottom.bar(x, pct, width, color=colors[p], hatch="" if M <= 256 else "//")
+        E, k, H, I = (next(r for r in rows if r["shape"] == s)[c] for c in ("E", "top_k", "H", "I"))  # noqa: E741
+        top.set_title(f"{s}\nE={E}, k={k}, H={H}, I={I}", fontsize=9)
+        top.axhline(1.0, color="k", lw=0.8)
+        bottom.axhline(100, color="k", lw=0.5, ls="--")
+        for ax in (top, bottom):
+            ax.set_xticks(range(len(tokens)), [str(M) for M in tokens], fontsize=8)
+            ax.grid(True, axis="y", lw=0.3)
+        bottom.set_xlabel("tokens M")
+    axes[0][0].set_ylabel("speed-up over torch._grouped_mm (higher is better)")
+    axes[1][0].set_ylabel("% of the ceiling: copy bandwidth (M <= 256),\ncuBLAS bf16 rate (M >= 1024, hatched)")
+    axes[0][0].set_ylim(0, None)
+    axes[1][0].set_ylim(0, 110)
+    fig.suptitle(f"MoE forward (fused_moe, softmax top-k of a random router): {run_label(rows[0])}", fontsize=10)
+    handles = [plt.Line2D([], [], color="k", lw=0.8) if p == "torch._grouped_mm"
+               else plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in provs]
+    fig.legend(handles, [f"{p}: {PROVIDERS.get(p, p)}" for p in provs], loc="lower center", ncol=2, fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(rows):
@@ -244,7 +268,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None)
     ap.add_argument("--tokens", nargs="+", type=int, default=None)
     ap.add_argument("--no-atomic", action="store_true", help="skip the atomic top-k reduction provider")
+    ap.add_argument("--plot-from", type=Path, default=None, help="redraw the plot of a stored CSV into --out")
     args = ap.parse_args(argv)
+    if args.plot_from is not None:
+        return redraw(args.plot_from, args.out, "bench_moe", plot)
     if not torch.cuda.is_available():
         print("bench_moe: no CUDA GPU, nothing to time")
         return 0

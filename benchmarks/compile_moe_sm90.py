@@ -138,9 +138,9 @@ def compile_one(job):
 
 
 def jobs(quick: bool):
-    from benchmarks.bench_moe import SHAPES
-    from benchmarks.tune_moe import BUCKETS, block_m_choices, candidates, fused_candidates
     from hopperkern.moe.configs import heuristic_config
+    from hopperkern.tune.moe_tuner import BUCKETS, block_m_choices, candidates, fused_candidates
+    from hopperkern.tune.shapes import MOE_SHAPES as SHAPES
 
     cfgs = {}  # (gemm, E, H, I) -> {config dict}
     for E, k, H, I in SHAPES.values():  # noqa: E741

@@ -13,8 +13,10 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 __all__ = ["collect", "main", "render"]
 
@@ -55,6 +57,70 @@ def _version(module: str):
     return str(v)
 
 
+def _numpy() -> str:
+    try:
+        return _version("numpy")
+    except ImportError:
+        return "not installed (only Triton's CPU interpreter needs it: pip install \"hopperkern[interpreter]\")"
+
+
+def _driver() -> str:
+    from .tma.capability import nvidia_driver_version
+
+    return nvidia_driver_version()
+
+
+def _cuda_runtime() -> str:
+    from .tma.capability import cuda_runtime_version
+
+    return cuda_runtime_version()
+
+
+def _installation() -> dict:
+    """Where the imported hopperkern lives, how it got there (editable install, wheel install, or a source tree
+    on the path) and, in a git checkout, its revision."""
+    from importlib import metadata
+
+    import hopperkern
+
+    pkg = Path(hopperkern.__file__).resolve().parent
+    try:
+        dist = metadata.distribution("hopperkern")
+    except metadata.PackageNotFoundError:
+        dist = None
+    if dist is None:
+        kind = "not installed: imported from a source tree on the path"
+    else:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        url = direct.get("url", "")
+        if direct.get("dir_info", {}).get("editable"):
+            src = Path(url.removeprefix("file://")).resolve() if url.startswith("file://") else None
+            kind = f"editable install of {src or url}"
+            if src is not None and not pkg.is_relative_to(src):
+                kind = f"imported from a source tree; hopperkern {dist.version} is an editable install of {src}"
+        elif pkg.is_relative_to(Path(dist.locate_file("")).resolve()):
+            kind = "wheel install" + (f" from {url}" if url else "")
+        else:
+            kind = f"imported from a source tree; hopperkern {dist.version} is installed at {dist.locate_file('')}"
+    return {"path": str(pkg), "kind": kind, "git": _git_revision(pkg.parent)}
+
+
+def _git_revision(root: Path):
+    """``"abc1234"`` (with ``" + uncommitted changes"``) when ``root`` is a git checkout, else None."""
+    if not (root / ".git").exists():  # a folder, or a file in a worktree
+        return None
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return _failed(exc)
+    if rev.returncode != 0:
+        return f"could not collect: git rev-parse: {rev.stderr.strip()}"
+    return rev.stdout.strip() + (" + uncommitted changes" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
 def _torch_cuda():
     import torch
 
@@ -72,7 +138,7 @@ def _capability() -> dict:
         "compute_capability": ".".join(map(str, cap.compute_capability)) if cap.compute_capability else None,
         "sm_count": cap.sm_count,
         "triton_version": cap.triton_version,
-        "tensor_descriptors": cap.tensor_descriptors,
+        "triton_has_tensor_descriptors": cap.tensor_descriptors,  # the API; whether they run here is "tma"
         "tma": cap.tma,
         "reasons": list(cap.reasons),
     }
@@ -142,25 +208,31 @@ def _tuning() -> dict:
     from . import tuning
 
     out = {}
-    path, looked, why = tuning.config_search()
-    out["found"] = str(path) if path is not None else None
-    out["looked_for"] = list(looked)
-    out["why"] = why
-    # The fallback warning is the ops' business; here the same facts go into the report instead.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
+    found = tuning.config_search()
+    out["found"] = str(found.path) if found.path is not None else None
+    out["looked_for"] = list(found.looked)
+    out["why"] = found.why
+    out["closest_to"] = found.closest_to  # this GPU has no file: the file found is the closest one of its kind
+    # The fallback warnings are the ops' business; here the same facts go into the report instead, and the
+    # warnings stay due for the first op call of a program that collects this report.
+    warned = set(tuning._WARNED)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             cfg = tuning.load_config()
-        except Exception as exc:  # a malformed file: the error names the file and the field
-            out["loaded"] = None
-            out["error"] = f"{type(exc).__name__}: {exc}"
-            return out
+    except Exception as exc:  # a malformed file: the error names the file and the field or key
+        out["loaded"] = None
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    finally:
+        tuning._WARNED.intersection_update(warned)
     out["loaded"] = cfg.origin
     out["error"] = None
     out["tuned_on"] = cfg.device_name or None
     out["tuned_with_triton"] = cfg.triton_version or None
+    out["triton_mismatch"] = tuning.triton_mismatch(cfg)
     out["entries"] = {"lce": sorted(cfg.lce), "moe": sorted(cfg.moe)}
-    if cfg.is_default:
+    if found.looked and (cfg.is_default or found.closest_to is not None):
         out["hint"] = f"tune this GPU with: {tuning.TUNER_COMMAND}"
     return out
 
@@ -176,12 +248,16 @@ def collect() -> dict:
     mode = _probe(_tma_mode)
     return {
         "hopperkern": __version__,
+        "installation": _probe(_installation),
         "environment": {
             "python": sys.version.split()[0],
             "platform": _probe(platform.platform),
             "torch": _probe(_version, "torch"),
             "torch.version.cuda": _probe(_torch_cuda),
+            "NVIDIA driver": _probe(_driver),
+            "CUDA runtime": _probe(_cuda_runtime),
             "triton": _probe(_version, "triton"),
+            "numpy": _probe(_numpy),
             "pydantic": _probe(_version, "pydantic"),
             "rich": _probe(_version, "rich"),
         },
@@ -224,6 +300,13 @@ def render(data: dict, console=None) -> None:
     env = Table(title=f"hopperkern {_text(data.get('hopperkern'))}: environment", show_header=False)
     env.add_column("what", style="bold")
     env.add_column("value")
+    where = data.get("installation")
+    if isinstance(where, dict):
+        env.add_row("hopperkern from", _text(f"{where['path']} ({where['kind']})"))
+        if where.get("git"):
+            env.add_row("git revision", _text(where["git"]))
+    else:
+        env.add_row("hopperkern from", _text(where))
     environment = data.get("environment")
     for k, v in (environment.items() if isinstance(environment, dict) else [("environment", environment)]):
         env.add_row(_text(k), _text(v))
@@ -234,7 +317,10 @@ def render(data: dict, console=None) -> None:
         env.add_row("compute capability", _text(f"{cc} (sm_{cc.replace('.', '')})" if cc else None))
         env.add_row("SMs", _text(cap["sm_count"]))
         env.add_row("Triton interpreter", "on (kernels run on the CPU)" if cap["interpreter"] else "off")
-        env.add_row("tensor descriptors", _text(cap["tensor_descriptors"]))
+        env.add_row("triton tensor-descriptor API", _text(cap["triton_has_tensor_descriptors"]))
+        # Whether descriptors can be used here: on a CPU without the interpreter the API exists but nothing runs.
+        usable = "yes" if cap["tma"] else f"no: {'; '.join(cap['reasons']) or 'no reason recorded'}"
+        env.add_row("tensor descriptors (TMA) here", _text(usable))
     else:
         env.add_row("capability", _text(cap))
     interp = data.get("interpreter")
@@ -277,7 +363,8 @@ def render(data: dict, console=None) -> None:
         tun.add_row("looked for", _text(t.get("looked_for") or "(nothing: no device name)"))
         if t.get("error"):
             tun.add_row("error", _text(t["error"]))
-        for key, label in (("tuned_on", "tuned on"), ("tuned_with_triton", "tuned with triton"), ("hint", "hint")):
+        for key, label in (("tuned_on", "tuned on"), ("tuned_with_triton", "tuned with triton"),
+                           ("triton_mismatch", "triton"), ("hint", "hint")):
             if t.get(key):
                 tun.add_row(label, _text(t[key]))
         if isinstance(t.get("entries"), dict):

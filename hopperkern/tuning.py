@@ -1,22 +1,46 @@
 """Per-GPU tuning files: ``configs/<DEVICE_NAME>.json``, validated with pydantic.
 
-Only a tuner writes these files (``python -m benchmarks.tune``); ops read them through :func:`load_config`.
+Only the tuner writes these files (``python -m hopperkern.tune``); ops read them through :func:`load_config`.
+A file is named after its GPU (:func:`hopperkern.tma.normalize_device_name`: ``NVIDIA H200`` ->
+``NVIDIA_H200.json``) and its ``device_name`` must say the same.
 
 Lookup order for ``load_config(source=None)``:
 
 1. ``HOPPERKERN_CONFIG`` (read at call time): a JSON file, or a folder holding ``<DEVICE_NAME>.json``;
 2. the packaged ``configs/<DEVICE_NAME>.json`` (inside the wheel, or the checkout's top-level ``configs/``);
-3. built-in defaults (each op's heuristics), with ONE warning naming the file looked for and the tuner command.
+3. the closest file of the same architecture in those folders (an H100 without a file of its own takes the
+   H200's; :func:`hopperkern.tma.capability.closest_devices` says which is closest), with ONE warning naming
+   the file looked for and the file used;
+4. built-in defaults (each op's heuristics), with ONE warning naming the file looked for and the tuner command.
 
-A malformed file raises :class:`TuningFileError` naming the file and the offending field.
+A file tuned with another Triton version than the running one is used, with one warning. A malformed file raises
+:class:`TuningFileError` naming the file and the offending field or entry key.
 
-Layout (GEMM letters ``block_m/n/k`` follow each kernel's docstring)::
+Layout (GEMM letters ``block_m/n/k`` follow each kernel's docstring), as the tuner writes it (:meth:`save`:
+entries in numeric order, one kernel config a line)::
 
-    {"schema_version": 1, "device_name": "NVIDIA H200", "triton_version": "3.6.0",
-     "lce": {"forward:bfloat16:H4096": {"8192": {"block_m": 128, "block_n": 256, ...}, ...}, ...},
-     "moe": {"E128_H2048_I768_bfloat16": {"1": {"gemm1": {...}, "gemm2": {...}}, "64": {...}}}}
+    {
+      "schema_version": 1,
+      "device_name": "NVIDIA H200",
+      "triton_version": "3.6.0",
+      "tuned_at": "2026-11-30T15:24:23+00:00",
+      "tuner": "python -m hopperkern.tune",
+      "lce": {
+        "forward:bfloat16:H4096": {
+          "2048": {"block_m": 128, "block_n": 256, "block_k": 64, ...},
+          "16384": {...}
+        }
+      },
+      "moe": {
+        "E128_H2048_I768_bfloat16": {
+          "1": {"gemm1": {...}, "gemm2": {...}, "fused_topk": false}
+        }
+      }
+    }
 
-Both maps are keyed by token-count buckets; a lookup takes the nearest bucket on a log scale.
+Entry keys: LCE ``<phase>:<dtype>:H<hidden>`` (phase ``forward`` or ``backward``), MoE
+``E<experts>_H<hidden>_I<intermediate>_<dtype>``, dtype ``float16``, ``bfloat16`` or ``float32``. Both maps are
+keyed by token-count buckets; a lookup takes the nearest bucket on a log scale.
 """
 
 from __future__ import annotations
@@ -25,9 +49,10 @@ import functools
 import json
 import math
 import os
+import re
 import warnings
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -37,15 +62,17 @@ __all__ = [
     "KernelConfig",
     "MoeConfig",
     "TuningConfig",
+    "ConfigSearch",
     "TuningFileError",
     "config_search",
     "lce_key",
     "load_config",
     "moe_key",
+    "triton_mismatch",
 ]
 
 SCHEMA_VERSION = 1
-TUNER_COMMAND = "python -m benchmarks.tune --out configs/"
+TUNER_COMMAND = "python -m hopperkern.tune --out configs/"
 _WARPS = (1, 2, 4, 8, 16)
 
 
@@ -118,8 +145,21 @@ class MoeConfig(BaseModel):
         return self
 
 
-def _check_buckets(table: dict) -> dict:
+_DTYPES = ("float16", "bfloat16", "float32")
+_LCE_KEY = re.compile(r"(forward|backward):(float16|bfloat16|float32):H([1-9][0-9]*)")
+_MOE_KEY = re.compile(r"E([1-9][0-9]*)_H([1-9][0-9]*)_I([1-9][0-9]*)_(float16|bfloat16|float32)")
+_KEY_FORMS = {
+    "lce": (_LCE_KEY, "'<forward|backward>:<dtype>:H<hidden>'", "forward:bfloat16:H4096"),
+    "moe": (_MOE_KEY, "'E<experts>_H<hidden>_I<intermediate>_<dtype>'", "E128_H2048_I768_bfloat16"),
+}
+
+
+def _check_buckets(table: dict, section: str) -> dict:
+    pattern, form, example = _KEY_FORMS[section]
     for key, buckets in table.items():
+        if not pattern.fullmatch(key):
+            raise ValueError(f"entry key must be {form} with dtype {', '.join(_DTYPES)} (e.g. {example!r}), "
+                             f"got {key!r}")
         for b in buckets:
             if not (isinstance(b, str) and b.isdigit() and int(b) > 0):
                 raise ValueError(f"{key}: token bucket must be a positive integer string, got {b!r}")
@@ -169,8 +209,8 @@ class TuningConfig(BaseModel):
 
     @field_validator("lce", "moe")
     @classmethod
-    def _buckets(cls, v):
-        return _check_buckets(v)
+    def _buckets(cls, v, info):
+        return _check_buckets(v, info.field_name)
 
     @property
     def origin(self) -> str:
@@ -201,9 +241,41 @@ class TuningConfig(BaseModel):
         """Tuned fused_moe configs for this shape and the nearest token bucket, or None."""
         return _nearest(self.moe.get(moe_key(E, H, I, dtype), {}), tokens)
 
+    def canonical_json(self) -> str:
+        """This config as the tuner writes it: fields in schema order; LCE entries by phase (forward first),
+        dtype and hidden size, MoE entries by dtype, E, H and I, token buckets by size (all as numbers); every
+        kernel config on one line."""
+        data = self.model_dump()
+        data["lce"] = {k: _by_bucket(data["lce"][k]) for k in sorted(data["lce"], key=_lce_order)}
+        data["moe"] = {k: _by_bucket(data["moe"][k]) for k in sorted(data["moe"], key=_moe_order)}
+        return _format(data) + "\n"
+
     def save(self, path) -> None:
-        """Write this config as JSON (for the tuner)."""
-        Path(path).write_text(json.dumps(self.model_dump(), indent=1, sort_keys=True) + "\n")
+        """Write this config to ``path`` in its canonical form (:meth:`canonical_json`)."""
+        Path(path).write_text(self.canonical_json())
+
+
+def _lce_order(key: str):
+    phase, dtype, hidden = _LCE_KEY.fullmatch(key).groups()
+    return ("forward", "backward").index(phase), _DTYPES.index(dtype), int(hidden)
+
+
+def _moe_order(key: str):
+    E, H, I, dtype = _MOE_KEY.fullmatch(key).groups()  # noqa: E741
+    return _DTYPES.index(dtype), int(E), int(H), int(I)
+
+
+def _by_bucket(buckets: dict) -> dict:
+    return {b: buckets[b] for b in sorted(buckets, key=int)}
+
+
+def _format(value, depth: int = 0) -> str:
+    """JSON with objects that hold objects spread over lines (2-space indent) and flat objects on one line."""
+    if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
+        pad = "  " * (depth + 1)
+        items = ",\n".join(f"{pad}{json.dumps(k)}: {_format(v, depth + 1)}" for k, v in value.items())
+        return "{\n" + items + "\n" + "  " * depth + "}"
+    return json.dumps(value)
 
 
 @functools.lru_cache(maxsize=1)
@@ -218,7 +290,8 @@ def packaged_config_dirs() -> list[Path]:
     return [here / "configs", here.parent / "configs"]
 
 
-def _parse_file(path: Path) -> TuningConfig:
+def _parse_file(path: Path, named: bool) -> TuningConfig:
+    """Read and validate ``path``; ``named``: the file was found by its name, so its ``device_name`` must match."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -230,25 +303,35 @@ def _parse_file(path: Path) -> TuningConfig:
     if not isinstance(data, dict):
         raise TuningFileError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
     try:
-        return TuningConfig.model_validate(data)
+        cfg = TuningConfig.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise TuningFileError(f"{path}: field '{loc}': {first['msg']} ({exc.error_count()} error(s) in all)") from exc
+    if named:
+        from .tma.capability import normalize_device_name
+
+        if normalize_device_name(cfg.device_name) != path.stem:
+            raise TuningFileError(
+                f"{path}: field 'device_name' must be the name of the GPU the file is named after "
+                f"({path.stem}.json holds the GPU whose name normalizes to {path.stem!r}), got {cfg.device_name!r}; "
+                f"a file tuned on another GPU keeps that GPU's name: see {TUNER_COMMAND}")
+    return cfg
 
 
 @functools.lru_cache(maxsize=64)
-def _load_cached(path: str, mtime_ns: int, why: str) -> TuningConfig:
-    cfg = _parse_file(Path(path))
+def _load_cached(path: str, mtime_ns: int, why: str, named: bool = False) -> TuningConfig:
+    cfg = _parse_file(Path(path), named)
     cfg._origin = path
     cfg._why = why
     return cfg
 
 
-def _load_path(path: Path, why: str) -> TuningConfig:
-    # Parsed once per (file, modification time, lookup reason); every op call looks its config up, so the
-    # steady state is one stat and a cache hit. The object is shared between calls: treat it as read-only.
-    return _load_cached(str(path), path.stat().st_mtime_ns, why)
+@functools.lru_cache(maxsize=16)
+def _defaults(why: str) -> TuningConfig:
+    cfg = TuningConfig()
+    cfg._why = why
+    return cfg
 
 
 def _current_device_name() -> Optional[str]:
@@ -257,83 +340,182 @@ def _current_device_name() -> Optional[str]:
     return capability().config_name
 
 
-def config_search(source=None) -> tuple[Optional[Path], list[str], str]:
-    """Resolve ``source`` to (file found or None, files looked for, why). Never reads a file's content."""
-    from .tma.capability import normalize_device_name
+class ConfigSearch(NamedTuple):
+    """Where :func:`config_search` looked and what it found.
+
+    ``path``: the file to load, or None (built-in defaults); ``looked``: every file it looked for by name, in
+    order; ``why``: how it got there, in words (``python -m hopperkern.info`` shows it); ``closest_to``: when
+    ``path`` is the closest file of the same architecture, the device whose own file is missing; ``named``:
+    whether ``path`` was chosen by its name (its ``device_name`` must then match it); ``listed``: the folders
+    whose file lists the closest-file search read; ``arch``: ``"sm_90"``-style architecture of a closest file."""
+
+    path: Optional[Path]
+    looked: list
+    why: str
+    closest_to: Optional[str] = None
+    named: bool = False
+    listed: tuple = ()
+    arch: str = ""
+
+
+def _folders(env: Optional[str]) -> list[Path]:
+    """The folders searched for ``<DEVICE_NAME>.json``, in order."""
+    return ([Path(env)] if env and Path(env).is_dir() else []) + packaged_config_dirs()
+
+
+def _closest_file(device: str, folders: list[Path]):
+    """(file or None, folders listed, compute capability) of the closest file of ``device``'s architecture in
+    ``folders`` (:func:`hopperkern.tma.capability.closest_devices`)."""
+    from .tma.capability import capability, closest_devices, known_compute_capability, normalize_device_name
+
+    cc = sms = None
+    if normalize_device_name(device) == _current_device_name():  # this GPU: its own facts beat the model table
+        cap = capability()
+        cc, sms = cap.compute_capability, cap.sm_count
+    cc = cc or known_compute_capability(device)
+    files: dict[str, Path] = {}
+    listed = []
+    for d in folders:
+        if not d.is_dir():
+            continue
+        listed.append(str(d))
+        for f in sorted(d.glob("*.json")):
+            files.setdefault(f.stem, f)  # an earlier folder wins, as in the lookup by name
+    best = closest_devices(device, list(files), compute_capability=cc, sm_count=sms)
+    return (files[best[0]] if best else None), tuple(listed), cc
+
+
+def config_search(source=None) -> ConfigSearch:
+    """Resolve ``source`` (None, a device name or a path, as for :func:`load_config`) to the file to load. Reads
+    no file's content; the closest-file search lists the searched folders."""
+    from .tma.capability import capability, normalize_device_name
 
     looked: list[str] = []
     if source is not None:
         p = Path(source)
         if isinstance(source, Path) or str(source).endswith(".json") or os.sep in str(source):
-            return p, [str(p)], "path given by the caller"
-        stem = normalize_device_name(str(source))
+            return ConfigSearch(p, [str(p)], "path given by the caller")
+        device = str(source)
+        stem = normalize_device_name(device)
         why_dev = f"device name {source!r} given by the caller"
     else:
         stem = _current_device_name()
+        device = capability().device_name if stem else None
         why_dev = "current GPU" if stem else "no GPU: no device file to look for"
     env = os.environ.get("HOPPERKERN_CONFIG")
-    if env:
-        ep = Path(env)
-        if ep.is_dir():
-            if stem:
-                cand = ep / f"{stem}.json"
-                looked.append(str(cand))
-                if cand.is_file():
-                    return cand, looked, f"HOPPERKERN_CONFIG folder, {why_dev}"
-        else:
-            return ep, [str(ep)], "HOPPERKERN_CONFIG file"
-    if stem:
-        for d in packaged_config_dirs():
-            cand = d / f"{stem}.json"
-            looked.append(str(cand))
-            if cand.is_file():
-                return cand, looked, f"packaged file, {why_dev}"
-    return None, looked, why_dev
+    if env and not Path(env).is_dir():
+        return ConfigSearch(Path(env), [env], "HOPPERKERN_CONFIG file")
+    if not stem:
+        return ConfigSearch(None, looked, why_dev)
+    folders = _folders(env)
+    for d in folders:
+        cand = d / f"{stem}.json"
+        looked.append(str(cand))
+        if cand.is_file():
+            where = "HOPPERKERN_CONFIG folder" if env and d == Path(env) else "packaged file"
+            return ConfigSearch(cand, looked, f"{where}, {why_dev}", named=True)
+    path, listed, cc = _closest_file(device, folders)
+    if path is None:
+        return ConfigSearch(None, looked, why_dev, listed=listed)
+    arch = f"sm_{cc[0]}{cc[1]}"
+    return ConfigSearch(path, looked, f"closest file of the same architecture ({arch}): no file for {device} "
+                                      f"({why_dev})", closest_to=device, named=True, listed=listed, arch=arch)
 
 
-_WARNED: set = set()
-_FOUND: dict = {}  # (source, HOPPERKERN_CONFIG, current GPU) -> (file, why) of a search that found a file
+_WARNED: set = set()  # keys of the warnings given: one per missing file, per closest file, per Triton mismatch
+# (source, HOPPERKERN_CONFIG, current GPU) -> (file or None, why, named, files that must stay absent, (folder,
+# modification time) pairs that must not change, the fallback warning due or None): a search's result, valid while
+# those files stay absent and those folders unchanged.
+_FOUND: dict = {}
+
+
+def _mtime(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def load_config(source=None) -> TuningConfig:
     """The tuning config for ``source``: None (current GPU), a device name (``"NVIDIA H200"``) or a path.
 
-    The returned config is shared between calls (treat it as read-only). Falls back to built-in defaults with one
-    warning per missing file. Raises :class:`TuningFileError` for a
-    malformed file and ``FileNotFoundError`` for an explicit path (argument or ``HOPPERKERN_CONFIG``) that does
-    not exist.
+    The returned config is shared between calls (treat it as read-only). Where the GPU has no file, the closest
+    file of the same architecture is used with one warning naming both; where there is none either, built-in
+    defaults, with one warning naming the file looked for and the tuner command. Raises
+    :class:`TuningFileError` for a malformed file and ``FileNotFoundError`` for an explicit path (argument or
+    ``HOPPERKERN_CONFIG``) that does not exist.
     """
-    # Steady state of an op call: one dict lookup and one stat. Where a file was found for this (source,
-    # HOPPERKERN_CONFIG, current GPU), the search is not repeated; the stat sees an edited file (new mtime) and
-    # a removed one (the search runs again). A changed HOPPERKERN_CONFIG is a different key.
+    # Steady state of an op call: one dict lookup and a stat per file involved. A search's result is remembered
+    # per (source, HOPPERKERN_CONFIG, current GPU) together with what would change it: the files looked for
+    # before the one found must still be absent, and the folders the closest-file search listed unchanged
+    # (adding or removing a file changes a folder's modification time). The stat of the file itself sees an
+    # edit (a new mtime: parsed again) and a removal (searched again). A changed HOPPERKERN_CONFIG is a new key.
     memo_key = (source if source is None or isinstance(source, str) else str(source),
                 os.environ.get("HOPPERKERN_CONFIG"), _current_device_name() if source is None else None)
     hit = _FOUND.get(memo_key)
     if hit is not None:
-        try:
-            return _load_cached(hit[0], os.stat(hit[0]).st_mtime_ns, hit[1])
-        except FileNotFoundError:
-            _FOUND.pop(memo_key, None)
-    path, looked, why = config_search(source)
-    if path is not None:
-        if not path.is_file():
-            raise FileNotFoundError(f"tuning file {path} ({why}) does not exist")
-        cfg = _load_path(path, why)
-        # Remembered unless a HOPPERKERN_CONFIG folder was searched in vain first: a file the user adds there must
-        # take effect on the next call. (The packaged folders do not change while a program runs.)
-        if memo_key[1] is None or why.startswith("HOPPERKERN_CONFIG"):
-            if len(_FOUND) >= 256:
-                _FOUND.clear()
-            _FOUND[memo_key] = (str(path), why)
+        path, why, named, absent, listed, notice = hit
+        if not any(os.path.exists(a) for a in absent) and all(_mtime(d) == m for d, m in listed):
+            mtime = _mtime(path) if path is not None else None
+            if path is None or mtime is not None:
+                cfg = _defaults(why) if path is None else _load_cached(path, mtime, why, named)
+                _notify(notice)
+                return _checked(cfg)
+        _FOUND.pop(memo_key, None)
+    found = config_search(source)
+    if found.path is not None and not found.path.is_file():
+        raise FileNotFoundError(f"tuning file {found.path} ({found.why}) does not exist")
+    listed = tuple((d, _mtime(d)) for d in found.listed)
+    notice = None
+    if found.path is None:
+        cfg = _defaults(found.why)
+        if found.looked:
+            notice = (tuple(found.looked),
+                      f"hopperkern: no tuning file found (looked for {', '.join(found.looked)}); using built-in "
+                      f"defaults. Tune this GPU with: {TUNER_COMMAND}")
+    else:
+        cfg = _load_cached(str(found.path), found.path.stat().st_mtime_ns, found.why, found.named)
+        if found.closest_to is not None:
+            notice = ((found.closest_to, cfg.origin),
+                      f"hopperkern: no tuning file for {found.closest_to} (looked for {', '.join(found.looked)}); "
+                      f"using {cfg.origin} (tuned on {cfg.device_name}), the closest file of the same architecture "
+                      f"({found.arch}). Tune this GPU with: {TUNER_COMMAND}")
+    _notify(notice)
+    if found.looked or found.path is not None:
+        if len(_FOUND) >= 256:
+            _FOUND.clear()
+        absent = tuple(p for p in found.looked if p != str(found.path))
+        _FOUND[memo_key] = (None if found.path is None else str(found.path), found.why, found.named, absent, listed,
+                            notice)
+    return _checked(cfg)
+
+
+def _notify(notice) -> None:
+    """Warn ``notice = (key, message)`` unless a warning with that key was given already (one per missing file)."""
+    if notice is not None and notice[0] not in _WARNED:
+        _WARNED.add(notice[0])
+        warnings.warn(notice[1], stacklevel=3)  # the caller of load_config
+
+
+def triton_mismatch(cfg: TuningConfig) -> Optional[str]:
+    """A sentence when ``cfg`` was tuned with another Triton version than the running one, else None."""
+    from .tma.capability import _numbers, capability
+
+    running = capability().triton_version
+    if not (cfg.triton_version and running) or _numbers(running) == _numbers(cfg.triton_version):
+        return None
+    return (f"tuned with triton {cfg.triton_version}, this process runs triton {running}: its launch configs are "
+            "used, but may no longer be the fastest")
+
+
+def _checked(cfg: TuningConfig) -> TuningConfig:
+    """``cfg``, after one warning per file and Triton version when the file was tuned with another Triton."""
+    key = ("triton", cfg.origin, cfg.triton_version)
+    if not cfg.triton_version or key in _WARNED:
         return cfg
-    cfg = TuningConfig()
-    cfg._why = why
-    key = tuple(looked) or (why,)
-    if key not in _WARNED and looked:
-        _WARNED.add(key)
-        warnings.warn(
-            f"hopperkern: no tuning file found (looked for {', '.join(looked)}); using built-in defaults. "
-            f"Tune this GPU with: {TUNER_COMMAND}",
-            stacklevel=2,
-        )
+    _WARNED.add(key)
+    mismatch = triton_mismatch(cfg)
+    if mismatch:
+        warnings.warn(f"hopperkern: tuning file {cfg.origin} was {mismatch}. Re-tune with: {TUNER_COMMAND}",
+                      stacklevel=3)  # the caller of load_config
     return cfg

@@ -49,3 +49,57 @@ def test_without_a_gpu_reports_and_writes_nothing(repo, monkeypatch, capsys):
 def test_default_is_a_fresh_folder(tmp_path):
     out = run.fresh_out_dir(tmp_path / "bench-results")
     assert out.parent == tmp_path / "bench-results" and not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plots redrawn from the stored CSVs (no GPU)
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+PLOTTED = [("bench_lce", "lce"), ("bench_moe", "moe"), ("bench_moe_train", "moe_train")]
+
+
+@pytest.mark.parametrize("module, family", PLOTTED)
+def test_plot_from_a_stored_csv(module, family, tmp_path):
+    """`--plot-from` redraws a stored CSV without a GPU; the plot names the GPU, the versions and the dtype."""
+    pytest.importorskip("matplotlib")
+    import importlib
+
+    csv_path = RESULTS / f"{family}_NVIDIA_H200.csv"
+    if not csv_path.is_file():
+        pytest.skip("no stored results")
+    bench = importlib.import_module(f"benchmarks.{module}")
+    assert bench.main(["--plot-from", str(csv_path), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / f"{family}_NVIDIA_H200.png").stat().st_size > 10_000
+    from benchmarks.common import load_csv, run_label
+
+    assert run_label(load_csv(csv_path)[0]).startswith("NVIDIA H200, bf16, torch ")
+
+
+@pytest.mark.parametrize("module, family", PLOTTED)
+def test_plot_without_matplotlib_says_so(module, family, tmp_path, monkeypatch, capsys):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    bench = importlib.import_module(f"benchmarks.{module}")
+    assert bench.main(["--plot-from", str(RESULTS / f"{family}_NVIDIA_H200.csv"), "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"{module}: matplotlib is not installed, so no plot was drawn (the CSV has every figure): "
+                   'pip install "hopperkern[bench]"\n')
+    bench.plot([], tmp_path / "x.png")  # a benchmark run keeps its CSV and says the same
+    assert "matplotlib is not installed" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_pyproject_extras_and_license():
+    import tomllib
+
+    root = RESULTS.parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert any(d.startswith("numpy") for d in extras["interpreter"]) and any(d.startswith("numpy") for d in
+                                                                             extras["test"])
+    assert any(d.startswith("matplotlib") for d in extras["bench"])
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (root / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text

@@ -234,8 +234,8 @@ def test_device_mismatch():
 def test_backward_uses_fp32_accumulating_cublas_and_stays_in_memory_budget():
     """d_hidden's sum over vocab slices goes through cuBLAS with out_dtype=fp32 (no fp32 copies of the slice),
     so the backward's extra memory stays at the fp32 [N, H] sum + one d(logits) slice + bf16 grads. A probe
-    that wrongly said "unsupported" (session 6: a meta-tensor probe) silently made the backward 4x slower and
-    its memory 2.2x larger; this test fails on either."""
+    that wrongly says "unsupported" (one on meta tensors, which lack this overload) silently makes the backward 4x
+    slower and its memory 2.2x larger; this test fails on either."""
     from hopperkern import tma
     from hopperkern.lce import launch
 

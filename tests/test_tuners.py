@@ -1,10 +1,11 @@
-"""The tuners' candidate selection (benchmarks.common.pick_fastest) and candidate lists, without a GPU."""
+"""The tuner (hopperkern.tune): candidate selection, candidate lists, both sweeps under the interpreter, the file
+writer and the command line, without a GPU."""
 
 import math
 
 import pytest
 
-from benchmarks.common import pick_fastest, rel_err
+from hopperkern.tune import pick_fastest, rel_err
 from hopperkern.tuning import KernelConfig
 
 
@@ -52,7 +53,7 @@ def test_rel_err_is_inf_for_non_finite_outputs():
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 @pytest.mark.parametrize("gemm", [1, 2])
 def test_moe_candidates_fit_shared_memory_and_keep_block_m(block_m, gemm):
-    from benchmarks.tune_moe import candidates, fused_candidates
+    from hopperkern.tune.moe_tuner import candidates, fused_candidates
 
     cands = candidates(block_m, gemm) + (fused_candidates(block_m) if gemm == 2 else [])
     assert cands and all(c.block_m == block_m for c in cands)
@@ -63,7 +64,7 @@ def test_moe_candidates_fit_shared_memory_and_keep_block_m(block_m, gemm):
 
 
 def test_moe_block_m_choices_cover_the_heuristic():
-    from benchmarks.tune_moe import block_m_choices
+    from hopperkern.tune.moe_tuner import block_m_choices
     from hopperkern.moe.configs import pick_block_m
 
     for T in (1, 16, 64, 256, 1024, 4096, 16384):
@@ -83,7 +84,7 @@ def test_lce_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
     raises and one whose forward result is wrong (simulated around the real launcher) are skipped."""
     import torch
 
-    from benchmarks import tune
+    from hopperkern.tune import lce_tuner
     from hopperkern.lce import launch
 
     good = KernelConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
@@ -99,7 +100,7 @@ def test_lce_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
 
     monkeypatch.setattr(launch, "lce_forward", forward)
     logs, result = [], {}
-    tune._tune_lce_shape(64, 300, torch.float32, (40,), result, logs.append, device="cpu", time_fn=_no_time,
+    lce_tuner._tune_lce_shape(64, 300, torch.float32, (40,), result, logs.append, device="cpu", time_fn=_no_time,
                          candidates=[wrong, boom, good])
     assert result["forward:float32:H64"]["40"] == good, logs
     assert "backward:float32:H64" in result, logs
@@ -114,7 +115,7 @@ def test_moe_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
     import torch
 
     import hopperkern.moe as moe_pkg
-    from benchmarks import tune_moe
+    from hopperkern.tune import moe_tuner
 
     def tiny(block_m, gemm):
         return [KernelConfig(block_m=block_m, block_n=bn, block_k=32, group_m=1, num_warps=4, num_stages=1)
@@ -126,11 +127,11 @@ def test_moe_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
         out = real_down(*args, config=config, fused_topk=fused_topk, **kw)
         return out * 1.5 if (config.block_n == 32 and not fused_topk) else out
 
-    monkeypatch.setattr(tune_moe, "candidates", tiny)
-    monkeypatch.setattr(tune_moe, "fused_candidates", lambda bm: tiny(bm, 2)[:1])
+    monkeypatch.setattr(moe_tuner, "candidates", tiny)
+    monkeypatch.setattr(moe_tuner, "fused_candidates", lambda bm: tiny(bm, 2)[:1])
     monkeypatch.setattr(moe_pkg, "down", down)
     logs = []
-    found = tune_moe.tune_moe([(4, 64, 32, 2)], (1, 8), torch.float32, log=logs.append, device="cpu",
+    found = moe_tuner.tune_moe([(4, 64, 32, 2)], (1, 8), torch.float32, log=logs.append, device="cpu",
                               time_fn=_no_time)
     entries = found["E4_H64_I32_float32"]
     assert set(entries) == {"1", "8"}, logs
@@ -140,19 +141,68 @@ def test_moe_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
     assert all(e.gemm2.block_n == 16 or e.fused_topk for e in entries.values())
 
 
-def test_merge_into_file_keeps_other_entries(tmp_path):
-    """The one writer of tuning files (both tuners): new buckets merge into the existing file, every other
-    entry and section is kept, and the result validates."""
-    from benchmarks.tune import merge_into_file
+def test_merge_into_file_keeps_other_entries(tmp_path, monkeypatch):
+    """The one writer of tuning files: new buckets merge into the existing file, every other entry and section
+    is kept, the device and Triton version are stamped, and the file is written in canonical order and loads
+    through the lookup by device name."""
+    import triton
+
     from hopperkern import tuning
+    from hopperkern.tune import merge_into_file
     from hopperkern.tuning import MoeConfig
 
-    path = tmp_path / "GPU.json"
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
+    path = tmp_path / "Test_GPU.json"
     k = KernelConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=3)
-    merge_into_file(path, lce={"forward:bfloat16:H64": {"2048": k}})
+    merge_into_file(path, lce={"forward:bfloat16:H64": {"2048": k}}, device_name="Test GPU")
     merge_into_file(path, moe={"E4_H64_I32_bfloat16": {"1": MoeConfig(gemm1=k, gemm2=k, fused_topk=True)}},
-                    tuner="python -m benchmarks.tune_moe")
-    merge_into_file(path, lce={"forward:bfloat16:H64": {"16384": k}})
-    cfg = tuning.load_config(path)
-    assert set(cfg.lce["forward:bfloat16:H64"]) == {"2048", "16384"}
+                    tuner="python -m hopperkern.tune --only moe", device_name="Test GPU")
+    merge_into_file(path, lce={"forward:bfloat16:H64": {"16384": k}}, device_name="Test GPU")
+    cfg = tuning.load_config("Test GPU")
+    assert cfg.origin == str(path) and (cfg.device_name, cfg.triton_version) == ("Test GPU", triton.__version__)
+    assert list(cfg.lce["forward:bfloat16:H64"]) == ["2048", "16384"]
     assert cfg.moe["E4_H64_I32_bfloat16"]["1"].fused_topk
+    assert cfg.tuner == "python -m hopperkern.tune" and path.read_text() == cfg.canonical_json()
+
+
+def test_command_line_help_and_no_gpu(capsys):
+    """`python -m hopperkern.tune` is the installed command: --help works anywhere, and without a GPU it says
+    why it cannot tune (exit code 1) instead of failing inside a kernel."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from hopperkern import tune
+
+    with pytest.raises(SystemExit) as exc:
+        tune.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m hopperkern.tune") and "--moe-shapes" in out and "NVIDIA_H200.json" in out
+    with pytest.raises(SystemExit) as exc:
+        tune.main(["--moe-tokens", "0"])
+    assert exc.value.code == 2
+    assert "argument --moe-tokens: a token count must be a positive integer, got '0'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert tune.main([]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("python -m hopperkern.tune: needs a CUDA GPU to time kernels on (")
+        assert err.rstrip().endswith("see: python -m hopperkern.info")
+    run = subprocess.run([sys.executable, "-m", "hopperkern.tune", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("usage: python -m hopperkern.tune"), run.stderr
+
+
+def test_importing_the_tuner_touches_no_gpu():
+    """Importing hopperkern.tune initialises no CUDA context, imports neither Triton nor a kernel module, and so
+    compiles nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, hopperkern.tune, hopperkern.tune.lce_tuner, hopperkern.tune.moe_tuner; "
+            "print(torch.cuda.is_initialized(), 'triton' in sys.modules, "
+            "any(m.startswith(('hopperkern.lce', 'hopperkern.moe')) for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "False"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 import hopperkern
 from hopperkern import tuning
@@ -30,7 +31,7 @@ MOE_KEY = "E128_H2048_I768_bfloat16"
 VALID = {
     "schema_version": 1,
     "device_name": "NVIDIA H200",
-    "triton_version": "3.6.0",
+    "triton_version": triton.__version__,  # the running one: no version warning in tests that count warnings
     "lce": {LCE_KEY: {"1": K64, "64": K64, "4096": K128}, "forward:bfloat16:H1024": {"64": K_SMALL_H}},
     "moe": {MOE_KEY: {"1": {"gemm1": K64, "gemm2": K64}, "4096": {"gemm1": K128, "gemm2": K128}}},
 }
@@ -76,7 +77,7 @@ def test_save_round_trip(tmp_path):
 
 
 def test_device_name_in_hopperkern_config_folder(tmp_path, monkeypatch):
-    p = _write(tmp_path / "NVIDIA_H200_NVL.json", VALID)
+    p = _write(tmp_path / "NVIDIA_H200_NVL.json", {**VALID, "device_name": "NVIDIA H200 NVL"})
     monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
     cfg = load_config("NVIDIA H200 NVL")
     assert cfg.origin == str(p)
@@ -85,7 +86,7 @@ def test_device_name_in_hopperkern_config_folder(tmp_path, monkeypatch):
 
 def test_current_gpu_in_hopperkern_config_folder(tmp_path, monkeypatch):
     fake = Capability(cuda_available=True, interpreter=False, device_name="NVIDIA H200", compute_capability=(9, 0),
-                      sm_count=132, triton_version="3.6.0", tensor_descriptors=True, tma=True, reasons=())
+                      sm_count=132, triton_version=triton.__version__, tensor_descriptors=True, tma=True, reasons=())
     monkeypatch.setattr(capmod, "capability", lambda device=None: fake)
     p = _write(tmp_path / "NVIDIA_H200.json", VALID)
     monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
@@ -142,7 +143,7 @@ def test_fallback_warns_once_naming_file_and_tuner():
     assert "no tuning file found (looked for " in msg
     for d in tuning.packaged_config_dirs():
         assert str(d / "Test_GPU_9000.json") in msg
-    assert msg.endswith("Tune this GPU with: python -m benchmarks.tune --out configs/")
+    assert msg.endswith("Tune this GPU with: python -m hopperkern.tune --out configs/")
     assert rec[0].filename == __file__  # stacklevel points at the caller
     for cfg in (first, second):
         assert cfg.is_default and cfg.origin == "built-in defaults"
@@ -172,11 +173,207 @@ def test_missing_explicit_path(tmp_path, monkeypatch):
 
 def test_config_search_reports_what_it_looked_for(tmp_path, monkeypatch):
     monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
-    path, looked, why = tuning.config_search("Test GPU")
-    assert path is None
-    assert looked == [str(tmp_path / "Test_GPU.json")] + [str(d / "Test_GPU.json")
-                                                        for d in tuning.packaged_config_dirs()]
-    assert why == "device name 'Test GPU' given by the caller"
+    found = tuning.config_search("Test GPU")
+    assert found.path is None and found.closest_to is None
+    assert found.looked == [str(tmp_path / "Test_GPU.json")] + [str(d / "Test_GPU.json")
+                                                              for d in tuning.packaged_config_dirs()]
+    assert found.why == "device name 'Test GPU' given by the caller"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a GPU without a file of its own: the closest file of the same architecture
+
+
+def _gpu(monkeypatch, name, cc=(9, 0), sms=132):
+    """Make the current GPU ``name`` for tuning's device lookups."""
+    fake = Capability(cuda_available=True, interpreter=False, device_name=name, compute_capability=cc,
+                      sm_count=sms, triton_version=triton.__version__, tensor_descriptors=True, tma=cc >= (9, 0),
+                      reasons=())
+    monkeypatch.setattr(capmod, "capability", lambda device=None: fake)
+
+
+def _device_file(folder: Path, device: str, **extra) -> Path:
+    return _write(folder / f"{hopperkern.tma.normalize_device_name(device)}.json",
+                  {**VALID, "device_name": device, **extra})
+
+
+@pytest.fixture
+def only_env_folder(tmp_path, monkeypatch):
+    """HOPPERKERN_CONFIG is an empty folder and no packaged folder holds files: each test writes what it needs."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(folder))
+    monkeypatch.setattr(tuning, "packaged_config_dirs", lambda: [tmp_path / "no-package"])
+    return folder
+
+
+@pytest.mark.parametrize("device", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H800", "NVIDIA H20",
+                                    "NVIDIA GH200 480GB"])
+def test_hopper_gpu_without_a_file_loads_the_packaged_h200_file_with_one_warning(device, monkeypatch):
+    """The shipped H200 file serves every Hopper GPU; the warning names the file looked for and the one used."""
+    _gpu(monkeypatch, device)
+    stem = hopperkern.tma.normalize_device_name(device)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        first = load_config()
+        second = load_config()
+    assert second is first and not first.is_default
+    assert Path(first.origin) == REPO / "configs" / "NVIDIA_H200.json" and first.device_name == "NVIDIA H200"
+    assert first.why == f"closest file of the same architecture (sm_90): no file for {device} (current GPU)"
+    msgs = [str(w.message) for w in rec if "tuned with triton" not in str(w.message)]  # the shipped file's triton
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith(f"hopperkern: no tuning file for {device} (looked for ")
+    assert f"{stem}.json" in msgs[0] and f"using {first.origin} (tuned on NVIDIA H200)" in msgs[0]
+    assert "the closest file of the same architecture (sm_90)" in msgs[0]
+    assert msgs[0].endswith("Tune this GPU with: python -m hopperkern.tune --out configs/")
+    assert all(w.filename == __file__ for w in rec)
+
+
+def test_gpu_of_another_architecture_gets_defaults_not_a_hopper_file(monkeypatch):
+    _gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", cc=(8, 0), sms=108)
+    with pytest.warns(UserWarning, match="no tuning file found .*NVIDIA_A100-SXM4-80GB.json.*built-in defaults"):
+        cfg = load_config()
+    assert cfg.is_default and cfg.why == "current GPU"
+
+
+def test_closest_file_prefers_the_same_model_then_the_table(only_env_folder, monkeypatch):
+    """An H100 SXM without a file: an H100 PCIe file (same model) beats the H200's; without it, an H800's (the
+    same chip) beats the H200's; files of other architectures and of unknown models never count."""
+    _device_file(only_env_folder, "NVIDIA H200")
+    _device_file(only_env_folder, "NVIDIA A100-SXM4-80GB")
+    _write(only_env_folder / "notes.json", {})
+    pcie = _device_file(only_env_folder, "NVIDIA H100 PCIe")
+    with pytest.warns(UserWarning, match="no tuning file for NVIDIA H100 80GB HBM3"):
+        assert load_config("NVIDIA H100 80GB HBM3").origin == str(pcie)
+    pcie.unlink()
+    h800 = _device_file(only_env_folder, "NVIDIA H800")
+    with pytest.warns(UserWarning, match=re.escape(f"using {h800} (tuned on NVIDIA H800)")):
+        assert load_config("NVIDIA H100 80GB HBM3").origin == str(h800)
+
+
+def test_own_file_appearing_beside_the_closest_one_is_found(only_env_folder, monkeypatch):
+    """The remembered closest-file lookup is dropped when the folder changes: the GPU's own file, written by
+    the tuner after the first call, is used from the next call on."""
+    _device_file(only_env_folder, "NVIDIA H200")
+    searches = []
+    real = tuning.config_search
+    monkeypatch.setattr(tuning, "config_search", lambda source=None: searches.append(source) or real(source))
+    with pytest.warns(UserWarning):
+        closest = load_config("NVIDIA H100 PCIe")
+    assert load_config("NVIDIA H100 PCIe") is closest and len(searches) == 1  # remembered
+    own = _device_file(only_env_folder, "NVIDIA H100 PCIe")
+    cfg = load_config("NVIDIA H100 PCIe")
+    assert (cfg.origin, cfg.why) == (str(own), "HOPPERKERN_CONFIG folder, device name 'NVIDIA H100 PCIe' given by "
+                                               "the caller")
+    own.unlink()
+    assert load_config("NVIDIA H100 PCIe").origin == closest.origin  # warned once already: no second warning
+
+
+def test_defaults_lookup_is_remembered_until_a_file_appears(only_env_folder, monkeypatch):
+    searches = []
+    real = tuning.config_search
+    monkeypatch.setattr(tuning, "config_search", lambda source=None: searches.append(source) or real(source))
+    with pytest.warns(UserWarning, match="built-in defaults"):
+        assert load_config("NVIDIA H100 PCIe").is_default
+    assert load_config("NVIDIA H100 PCIe").is_default and len(searches) == 1
+    _device_file(only_env_folder, "NVIDIA H200")
+    with pytest.warns(UserWarning, match="closest file of the same architecture"):
+        assert load_config("NVIDIA H100 PCIe").device_name == "NVIDIA H200"
+    assert len(searches) == 2
+
+
+@pytest.mark.parametrize("device, candidates, closest", [
+    ("NVIDIA H100 80GB HBM3", ["NVIDIA_H200", "NVIDIA_H100_PCIe"], ["NVIDIA_H100_PCIe", "NVIDIA_H200"]),
+    ("NVIDIA H100 80GB HBM3", ["NVIDIA_H200"], ["NVIDIA_H200"]),
+    ("NVIDIA H100 PCIe", ["NVIDIA_H100_NVL", "NVIDIA_H800_PCIe"], ["NVIDIA_H100_NVL", "NVIDIA_H800_PCIe"]),
+    ("NVIDIA H800", ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"], ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"]),
+    ("NVIDIA H20", ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"], ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"]),
+    ("NVIDIA GH200 480GB", ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"], ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"]),
+    ("NVIDIA H200 NVL", ["NVIDIA_H100_NVL", "NVIDIA_H200"], ["NVIDIA_H200", "NVIDIA_H100_NVL"]),
+    ("NVIDIA H20 (MIG 1g.12gb)", ["NVIDIA_H20", "NVIDIA_H200"], ["NVIDIA_H20", "NVIDIA_H200"]),
+    ("NVIDIA A100-SXM4-80GB", ["NVIDIA_H200", "NVIDIA_A800"], ["NVIDIA_A800"]),
+    ("NVIDIA H200", ["NVIDIA_H200", "NVIDIA_B200", "Test_GPU"], []),
+])
+def test_closest_devices(device, candidates, closest):
+    """Same compute capability only; the same model first, then the model table, then SM counts, then names."""
+    assert capmod.closest_devices(device, candidates) == closest
+
+
+def test_closest_devices_of_an_unknown_gpu_use_its_own_facts():
+    assert capmod.closest_devices("NVIDIA Future Hopper", ["NVIDIA_H200", "NVIDIA_A100"]) == []
+    assert capmod.closest_devices("NVIDIA Future Hopper", ["NVIDIA_H20", "NVIDIA_H200", "NVIDIA_A100"],
+                                  compute_capability=(9, 0), sm_count=80) == ["NVIDIA_H20", "NVIDIA_H200"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the file's own facts: device name, Triton version
+
+
+def test_device_name_must_match_the_file_name(only_env_folder, monkeypatch):
+    """A file found by its name must hold that GPU's tuning: a renamed copy of another GPU's file is an error,
+    also when it is picked as the closest file. An explicit path may carry any name."""
+    wrong = _write(only_env_folder / "NVIDIA_H100_PCIe.json", VALID)  # the H200's entries under the H100's name
+    msg = (re.escape(f"{wrong}: field 'device_name' must be the name of the GPU the file is named after "
+                     "(NVIDIA_H100_PCIe.json holds the GPU whose name normalizes to 'NVIDIA_H100_PCIe'), got "
+                     "'NVIDIA H200'"))
+    with pytest.raises(TuningFileError, match=msg):
+        load_config("NVIDIA H100 PCIe")
+    with pytest.raises(TuningFileError, match=msg):
+        load_config("NVIDIA H100 80GB HBM3")  # the closest file
+    assert load_config(wrong).device_name == "NVIDIA H200"
+
+
+def test_other_triton_version_warns_once(tmp_path):
+    p = _write(tmp_path / "c.json", {**VALID, "triton_version": "3.0.0"})
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            load_config(p)
+    msgs = [str(w.message) for w in rec]
+    assert msgs == [f"hopperkern: tuning file {p} was tuned with triton 3.0.0, this process runs triton "
+                    f"{triton.__version__}: its launch configs are used, but may no longer be the fastest. "
+                    "Re-tune with: python -m hopperkern.tune --out configs/"]
+    assert rec[0].filename == __file__
+
+
+def test_same_triton_version_does_not_warn(tmp_path):
+    p = _write(tmp_path / "c.json", {**VALID, "triton_version": triton.__version__})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# canonical order: what the tuner writes reads well and diffs well
+
+
+def test_save_writes_entries_in_numeric_order(tmp_path):
+    data = json.loads(json.dumps(VALID))
+    data["lce"]["backward:bfloat16:H896"] = {"16384": K64, "2048": K64}
+    data["moe"]["E8_H4096_I14336_bfloat16"] = {"64": data["moe"][MOE_KEY]["1"]}
+    p = tmp_path / "out.json"
+    tuning.TuningConfig.model_validate(data).save(p)
+    text = p.read_text()
+    saved = json.loads(text)
+    assert list(saved) == ["schema_version", "device_name", "triton_version", "tuned_at", "tuner", "lce", "moe"]
+    assert list(saved["lce"]) == ["forward:bfloat16:H1024", LCE_KEY, "backward:bfloat16:H896"]
+    assert list(saved["lce"][LCE_KEY]) == ["1", "64", "4096"]
+    assert list(saved["lce"]["backward:bfloat16:H896"]) == ["2048", "16384"]
+    assert list(saved["moe"]) == ["E8_H4096_I14336_bfloat16", MOE_KEY]
+    assert list(saved["lce"][LCE_KEY]["1"]) == ["block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
+                                                "flatten"]
+    assert '      "1": {"block_m": 64, "block_n": 128, "block_k": 64, "group_m": 8, ' in text  # one line per config
+    assert load_config(p).model_dump() == tuning.TuningConfig.model_validate(data).model_dump()
+
+
+def test_shipped_files_are_in_canonical_order():
+    files = sorted((REPO / "configs").glob("*.json"))
+    if not files:
+        pytest.skip("not a source checkout")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a file tuned with another triton than this test's
+        for f in files:
+            assert f.read_text() == load_config(f).canonical_json(), f"{f.name}: rewrite it with TuningConfig.save"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,7 +387,7 @@ def test_packaged_file_is_found(layout, tmp_path):
     shutil.copytree(Path(hopperkern.__file__).parent, root / "hopperkern",
                     ignore=shutil.ignore_patterns("__pycache__"))
     configs = root / "configs" if layout == "checkout" else root / "hopperkern" / "configs"
-    p = _write(configs / "Test_GPU.json", VALID)
+    p = _write(configs / "Test_GPU.json", {**VALID, "device_name": "Test GPU"})
     code = ("import hopperkern, hopperkern.tuning as t, warnings; warnings.simplefilter('error'); "
             "c = t.load_config('Test GPU'); print(hopperkern.__file__); print(c.origin); print(c.why)")
     env = {k: v for k, v in os.environ.items() if k != "HOPPERKERN_CONFIG"}
@@ -220,6 +417,9 @@ def test_pyproject_ships_configs_in_the_wheel():
     assert "hopperkern.configs" in st["packages"]
     assert st["package-dir"]["hopperkern.configs"] == "configs"
     assert "*.json" in st["package-data"]["hopperkern.configs"]
+    # every package of the source tree goes into the wheel (the tuner too: python -m hopperkern.tune)
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "hopperkern").rglob("__init__.py")}
+    assert found <= set(st["packages"]) and "hopperkern.tune" in found
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,6 +515,18 @@ BAD_FILES = [
     Bad("non-integer bucket", _edit(lambda d: d["lce"][LCE_KEY].update(big=K64)),
         rf"field 'lce': Value error, {LCE_KEY}: token bucket must be a positive integer string, got 'big'",
         "buckets are token counts"),
+    Bad("typo in an lce key", _edit(lambda d: d["lce"].update({"forwrd:bfloat16:H4096": d["lce"].pop(LCE_KEY)})),
+        r"field 'lce': Value error, entry key must be '<forward\|backward>:<dtype>:H<hidden>' with dtype float16, "
+        r"bfloat16, float32 \(e\.g\. 'forward:bfloat16:H4096'\), got 'forwrd:bfloat16:H4096'",
+        "a misspelt phase would never be looked up"),
+    Bad("dtype alias in an lce key", _edit(lambda d: d["lce"].update({"forward:bf16:H4096": d["lce"].pop(LCE_KEY)})),
+        r"field 'lce': Value error, entry key must be .* got 'forward:bf16:H4096'", "keys use torch's dtype names"),
+    Bad("zero hidden size", _edit(lambda d: d["lce"].update({"forward:bfloat16:H0": d["lce"].pop(LCE_KEY)})),
+        r"field 'lce': Value error, entry key must be .* got 'forward:bfloat16:H0'", "log-scale lookup by size"),
+    Bad("typo in a moe key", _edit(lambda d: d["moe"].update({"E128_H2048_I768_bfloat": d["moe"].pop(MOE_KEY)})),
+        r"field 'moe': Value error, entry key must be 'E<experts>_H<hidden>_I<intermediate>_<dtype>' with dtype "
+        r"float16, bfloat16, float32 \(e\.g\. 'E128_H2048_I768_bfloat16'\), got 'E128_H2048_I768_bfloat'",
+        "a truncated dtype would never be looked up"),
     Bad("zero bucket", _edit(lambda d: d["moe"][MOE_KEY].update({"0": d["moe"][MOE_KEY]["1"]})),
         rf"field 'moe': Value error, {MOE_KEY}: token bucket must be a positive integer string, got '0'",
         "log-scale lookup needs positive buckets"),

@@ -148,7 +148,7 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int) -> tuple[int,
     Programs are long (tiles_per_split tiles each), so a partly filled last wave costs a whole program's time:
     aim at ``_TARGET_WAVES`` waves of programs (a tail of <= 1/20), within ``STATS_BUDGET``, but give each
     program at least ``_MIN_SPLIT_COLS`` vocab columns, since every program pays a pipeline fill and its
-    statistics stores. Measured on the H200 (benchmarks/NOTES.md, session 6): at 2169 x 896 and 1937 x 3584
+    statistics stores. Measured on the H200: at 2169 x 896 and 1937 x 3584
     (17 row blocks) 4 waves of ~4.8k-column splits beat 20 waves of 1k-column ones by 7-10 %; at 8192 x 4096
     12 and 30 tiles of 256 per split were within 1.3 %.
     """

@@ -4,7 +4,7 @@ Lookup (:func:`moe_launch_config`): under Triton's interpreter a small fixed con
 otherwise ``hopperkern.tuning.load_config(<the inputs' GPU>).moe_config(E, H, I, dtype, T)`` (nearest token
 bucket), and when that is None, :func:`heuristic_config` with that GPU's SM count. A tuning file that exists
 but lacks the shape warns once per shape key (the loader itself warns once when no file exists). Tune with
-``python -m benchmarks.tune_moe``.
+``python -m hopperkern.tune --only moe``.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _choose(tuning, E, H, I, dtype, T, top_k, sm_count):  # noqa: E741
             _WARNED_KEYS.add(key)
             warnings.warn(
                 f"hopperkern: tuning file {tuning.origin} has no MoE entry {key[1]}; using heuristics. "
-                f"Tune it with: python -m benchmarks.tune_moe",
+                f"Tune it with: python -m hopperkern.tune --only moe",
                 stacklevel=4,
             )
     return heuristic_config(E, H, I, T, top_k, sm_count), "heuristics"

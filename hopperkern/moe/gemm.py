@@ -124,7 +124,7 @@ def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk
     ``fused_topk=True`` with a DIRECT plan (:func:`direct_plan`, tiny batches; ignored otherwise, and then
     ``deterministic`` does not apply): one program per (token, BLOCK_N columns) walks the token's k experts and
     sums them in registers (fp32, j in order, one rounding at the store): deterministic, no buffer, no second
-    launch, but k times fewer programs. Measured on the H200 (benchmarks/NOTES.md) it wins where those few
+    launch, but k times fewer programs. Measured on the H200, it wins where those few
     programs still cover the GPU with short K (DeepSeek-V3 TP8, H = 7168, I = 256) and loses elsewhere; the
     tuner decides per shape (``MoeConfig.fused_topk``).
 

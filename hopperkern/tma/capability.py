@@ -6,6 +6,11 @@ Everything here is lazy and cached. Nothing touches CUDA or reads the environmen
 Triton's CPU interpreter gets its own answers, which every launch checks through :func:`launch_context`:
 :func:`interpreter_problems` (set after triton's import, numpy missing or too new) and
 :func:`interpreter_dtype_problems` (a probe kernel per 16-bit dtype: bf16 comes out wrong, triton#11584).
+
+Device facts beyond the current GPU: :func:`gpu_model`, :func:`known_compute_capability` and
+:func:`closest_devices` (which tuning file serves a GPU that has none of its own), and the driver and runtime
+versions for bug reports (:func:`nvidia_driver_version`, :func:`cuda_runtime_version`; these raise where there is
+no GPU, and ``python -m hopperkern.info`` turns that into "could not collect").
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -20,11 +26,17 @@ __all__ = [
     "UnsupportedError",
     "capability",
     "check_interpreter",
+    "closest_devices",
+    "cuda_runtime_version",
     "device_key",
+    "gpu_model",
     "interpreter_active",
     "interpreter_dtype_problems",
     "interpreter_problems",
+    "known_compute_capability",
+    "known_sm_count",
     "launch_context",
+    "nvidia_driver_version",
     "require_triton",
     "torch_mm_out_dtype",
 ]
@@ -73,6 +85,76 @@ def normalize_device_name(name: str) -> str:
     while "__" in stem:
         stem = stem.replace("__", "_")
     return stem.strip("_")
+
+
+# Device facts for choosing a tuning file when a GPU has none of its own. Files are named after their device
+# (normalize_device_name), so the model in a file's name tells its architecture without reading it. Models:
+# the token of the device name torch reports ("NVIDIA H100 80GB HBM3" -> H100, "NVIDIA GH200 480GB" -> GH200).
+_MODEL_ARCH = {
+    "H100": (9, 0), "H800": (9, 0), "H200": (9, 0), "GH200": (9, 0), "H20": (9, 0),
+    "A100": (8, 0), "A800": (8, 0), "A30": (8, 0), "A10": (8, 6), "A40": (8, 6), "A6000": (8, 6),
+    "L4": (8, 9), "L20": (8, 9), "L40": (8, 9), "L40S": (8, 9),
+    "B100": (10, 0), "B200": (10, 0), "GB200": (10, 0), "B300": (10, 3), "GB300": (10, 3),
+}
+# For a Hopper GPU without a file: the models whose files come closest, best first. H800 is the H100 chip with
+# less NVLink bandwidth; GH200 and H200 carry the same chip with more, faster memory (HBM3e); H20 has 78 SMs
+# and HBM3 at 4.0 TB/s, nearer the H200's bandwidth per SM than the H100's.
+_CLOSEST_MODELS = {
+    "H100": ("H100", "H800", "GH200", "H200", "H20"),
+    "H800": ("H800", "H100", "GH200", "H200", "H20"),
+    "H200": ("H200", "GH200", "H100", "H800", "H20"),
+    "GH200": ("GH200", "H200", "H100", "H800", "H20"),
+    "H20": ("H20", "H200", "GH200", "H100", "H800"),
+}
+_SM_COUNTS = {"H100": 132, "H800": 132, "H200": 132, "GH200": 132, "H20": 78}  # PCIe H100/H800 cards: 114
+
+
+def gpu_model(name: str) -> str | None:
+    """The GPU model in a device name or tuning-file name: ``"NVIDIA H100 PCIe"`` -> ``"H100"``,
+    ``"NVIDIA_GH200_480GB"`` -> ``"GH200"``; None for a model this table does not know."""
+    for token in re.split(r"[^0-9A-Za-z]+", name.upper()):
+        if token in _MODEL_ARCH:
+            return token
+    return None
+
+
+def known_compute_capability(name: str) -> tuple[int, int] | None:
+    """(major, minor) of the GPU model named in ``name`` (a device name or file name), or None when unknown."""
+    return _MODEL_ARCH.get(gpu_model(name) or "")
+
+
+def known_sm_count(name: str) -> int | None:
+    """SM count of the Hopper variant named in ``name`` (PCIe H100/H800 cards: 114), or None when unknown."""
+    model = gpu_model(name)
+    if model in ("H100", "H800") and "PCIE" in name.upper():
+        return 114
+    return _SM_COUNTS.get(model or "")
+
+
+def closest_devices(name: str, candidates, *, compute_capability: tuple[int, int] | None = None,
+                    sm_count: int | None = None) -> list[str]:
+    """The ``candidates`` (device names or tuning-file names) of the same architecture as the GPU ``name``,
+    closest first; the others, and any whose model is unknown, are left out.
+
+    ``compute_capability`` and ``sm_count`` describe ``name`` (the current GPU's, from :func:`capability`);
+    without them the model table answers. Closest: the same model (an H100 PCIe for an H100 SXM), then the
+    models of ``_CLOSEST_MODELS`` in order (an H100 without H100 or H800 files takes a GH200's, then an
+    H200's), then the nearest SM count, then the name, so the choice never depends on the order of a folder."""
+    cc = compute_capability or known_compute_capability(name)
+    if cc is None:
+        return []
+    own = normalize_device_name(name)
+    prefs = _CLOSEST_MODELS.get(gpu_model(name) or "", ())
+    sms = sm_count or known_sm_count(name)
+    ranked = []
+    for cand in candidates:
+        if normalize_device_name(cand) == own or known_compute_capability(cand) != tuple(cc):
+            continue
+        model = gpu_model(cand)
+        other = known_sm_count(cand)
+        ranked.append((prefs.index(model) if model in prefs else len(prefs),
+                       abs(other - sms) if other and sms else 0, cand))
+    return [cand for *_, cand in sorted(ranked)]
 
 
 def interpreter_active() -> bool:
@@ -259,6 +341,65 @@ def _probe_interpreter_dtype(dtype) -> tuple[str, ...]:
         reasons.append(f"Triton's interpreter casts float32 to {name} wrongly: {bad} of {n * n} probe values differ "
                        "from round-to-nearest-even (a truncating cast)")
     return tuple(reasons)
+
+
+def nvidia_driver_version() -> str:
+    """The NVIDIA kernel driver's version (``"550.54.15"``), from ``/proc/driver/nvidia/version`` or else
+    ``nvidia-smi``. Raises RuntimeError when there is no CUDA GPU or neither source answers."""
+    if not _cuda_available():
+        raise RuntimeError("no CUDA GPU is available")
+    found = re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+(\d+\.\d+(?:\.\d+)?)", _proc_driver_text())
+    if found:
+        return found.group(1)
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"no /proc/driver/nvidia/version and nvidia-smi failed: {exc}") from exc
+    if out.returncode != 0 or not out.stdout.strip():
+        raise RuntimeError(f"no /proc/driver/nvidia/version and nvidia-smi exited with {out.returncode}")
+    return out.stdout.splitlines()[0].strip()
+
+
+def cuda_runtime_version() -> str:
+    """The CUDA runtime this process uses (``"12.8"``): ``cudaRuntimeGetVersion`` of the ``libcudart`` it loaded,
+    else the version torch was built with, said so. Raises RuntimeError when there is no CUDA GPU."""
+    if not _cuda_available():
+        raise RuntimeError("no CUDA GPU is available")
+    import torch
+
+    torch.cuda.init()  # loads the runtime, so it shows in the process's mapped libraries
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    except OSError:
+        libs = []
+    if libs:
+        import ctypes
+
+        version = ctypes.c_int(0)
+        if ctypes.CDLL(libs[0]).cudaRuntimeGetVersion(ctypes.byref(version)) == 0 and version.value:
+            return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    return f"{torch.version.cuda} (the CUDA version torch was built with)"
+
+
+def _proc_driver_text() -> str:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
 
 
 def device_key(device=None) -> int | None:

@@ -8,27 +8,22 @@ candidate whose result is off by more than 2 % from an fp32 reference of the who
 over the batch (a gate/up candidate goes through a fixed down config): a miscompiled config cannot win.
 
 Buckets up to ``GRAPH_MAX_T`` tokens are timed as CUDA-graph replays of 10 launches, each after an L2 flush
-(benchmarks.common.graph_ms): their kernels run for 10-500 us, and an eager loop would time the host's launch
-overhead instead (the first tuner did; its decode picks were noise). The shipped H200 entries up to 1024
-tokens were tuned before the flush was added, with the weights warm in L2 for calls 2-10; that matters where
-a GEMM's weights fit in the 50 MB L2 (the decode down GEMMs). Results merge into ``configs/<DEVICE>.json``
-through the hopperkern.tuning models; other entries (e.g. "lce") are kept.
-
-    python -m benchmarks.tune_moe --out configs/ [--shapes qwen3-30B-A3B ...] [--tokens 1 64 4096]
-                                  [--budget-s 180]
+(:func:`hopperkern.tune.timing.graph_ms`): their kernels run for 10-500 us, where an eager loop would time the
+host's launch overhead instead of the kernels.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.bench_moe import SHAPES
-from hopperkern.tuning import KernelConfig, MoeConfig, moe_key
+from ..tuning import KernelConfig, MoeConfig, moe_key
+from .shapes import MOE_SHAPES
+from .timing import graph_ms, pick_fastest, rel_err
+
+__all__ = ["BUCKETS", "CHECK_ROWS", "GRAPH_MAX_T", "block_m_choices", "candidates", "fused_candidates", "tune_moe",
+           "tune_moe_default"]
 
 BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 GRAPH_MAX_T = 1024
@@ -41,7 +36,7 @@ def _k(bm, bn, bk, warps, stages, group, flatten=False):
 
 
 def _fits(cfg: KernelConfig, gemm: int) -> bool:
-    from hopperkern.moe.configs import smem_bytes
+    from ..moe.configs import smem_bytes
 
     return smem_bytes(cfg, 2, 2 if gemm == 1 else 1) <= _SMEM_BUDGET  # bf16; gate/up reads two weight tiles
 
@@ -52,7 +47,7 @@ def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
     Decode sizes (block_m <= 32) are weight-bandwidth bound: N tiles from 16 to 128 columns (more programs
     against longer streams per tile), deep K tiles and pipelines. Prefill sizes (block_m >= 64) include
     flattened tile loops (the persistent kernels prefetch the next tile's K loads under this tile's epilogue).
-    No flattened 128 x 256 down tile: it spills (python -m benchmarks.compile_moe_sm90)."""
+    No flattened 128 x 256 down tile: it spills (``python -m benchmarks.compile_moe_sm90`` in a checkout)."""
     if block_m <= 32:
         t = [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
              (64, 256, 4, 3), (128, 128, 4, 3)]
@@ -84,7 +79,7 @@ def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
     """Row-block sizes to try: the heuristic's, and its neighbours where the mean slots per expert sit near a
     block boundary. At decode sizes a bigger block (more padding rows, nearly free while weight-bound) keeps
     most experts in ONE block, so their weights stream once instead of once per block."""
-    from hopperkern.moe.configs import pick_block_m
+    from ..moe.configs import pick_block_m
 
     bm = pick_block_m(T, top_k, E)
     per_expert = T * top_k / E
@@ -102,8 +97,6 @@ def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
 def _timer(graph: bool):
     import triton
 
-    from benchmarks.common import graph_ms
-
     return graph_ms if graph else (lambda fn: triton.testing.do_bench(fn, warmup=3, rep=10))
 
 
@@ -116,9 +109,8 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
     once ``time_budget_s`` is spent (those keep the heuristics). Returns ``{moe_key: {str(T): MoeConfig}}``.
     ``device`` and ``time_fn`` (fn -> ms; default: graph replays / do_bench) let the CPU tests run the whole
     loop under Triton's interpreter."""
-    from benchmarks.common import pick_fastest, rel_err
-    from hopperkern import moe
-    from hopperkern.moe import reference
+    from .. import moe
+    from ..moe import reference
 
     t0 = time.time()
     result: dict = {}
@@ -180,34 +172,8 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
     return result
 
 
-def tune_moe_default(time_budget_s: float = 180.0, log=print) -> dict:
-    """The five PERF.md shapes at the standard buckets, bf16 (what ``python -m benchmarks.tune`` calls)."""
-    shapes = [(E, H, I, k) for E, k, H, I in SHAPES.values()]
-    return tune_moe(shapes, BUCKETS, torch.bfloat16, time_budget_s, log)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("configs"), help="folder of <DEVICE>.json")
-    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    ap.add_argument("--tokens", nargs="+", type=int, default=list(BUCKETS))
-    ap.add_argument("--budget-s", type=float, default=180.0)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune_moe: needs a CUDA GPU")
-        return 1
-    from benchmarks.tune import merge_into_file
-    from hopperkern.tma import capability
-
-    t0 = time.time()
-    shapes = [(SHAPES[n][0], SHAPES[n][2], SHAPES[n][3], SHAPES[n][1]) for n in args.shapes]
-    found = tune_moe(shapes, tuple(args.tokens), torch.bfloat16, args.budget_s)
-    path = args.out / f"{capability().config_name}.json"
-    merge_into_file(path, moe=found, tuner="python -m benchmarks.tune_moe")
-    n = sum(len(v) for v in found.values())
-    print(f"tune_moe: wrote {n} entries for {len(found)} shapes to {path} in {time.time() - t0:.0f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def tune_moe_default(names=None, token_counts=BUCKETS, time_budget_s: float = 180.0, log=print) -> dict:
+    """The :data:`~hopperkern.tune.shapes.MOE_SHAPES` named in ``names`` (default: all) at ``token_counts``,
+    bf16: what ``python -m hopperkern.tune`` sweeps."""
+    shapes = [(E, H, I, k) for E, k, H, I in (MOE_SHAPES[n] for n in (names or MOE_SHAPES))]
+    return tune_moe(shapes, tuple(token_counts), torch.bfloat16, time_budget_s, log)

@@ -1,29 +1,23 @@
-"""Tuner: sweeps launch configs on the current GPU and writes ``configs/<DEVICE_NAME>.json``.
+"""LCE tuner: launch configs of the forward and the d(logits) kernels per (phase, dtype, hidden size) and token
+bucket, on the current GPU.
 
-    python -m benchmarks.tune --out configs/ [--only lce|moe] [--budget-s 240]
-
-Entries go through the :mod:`hopperkern.tuning` models, so a file this tool writes always validates. An
-existing file for the device is merged: entries not re-tuned in this run are kept. A candidate must first match
-an fp32 torch reference on 64 tokens spread over the batch (forward: the LSE; backward: d_hidden) or it is
-skipped (benchmarks.common.pick_fastest).
+Each candidate must first match an fp32 torch reference on 64 tokens spread over the batch (forward: the LSE;
+backward: d_hidden) or it is skipped (:func:`hopperkern.tune.timing.pick_fastest`).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import sys
-import time
-from pathlib import Path
-
 import torch
 
-from hopperkern import tuning
-from hopperkern.tuning import KernelConfig
+from .. import tuning
+from ..tuning import KernelConfig
+from .timing import pick_fastest, rel_err, time_cuda
+
+__all__ = ["CANDIDATES", "CHECK_ROWS", "LCE_BUCKETS", "LCE_SHAPES", "tune_lce"]
 
 LCE_SHAPES = ((4096, 128256), (896, 151936))  # (H, V) classes of the sweep; token buckets below
 LCE_BUCKETS = (2048, 16384)
-LCE_CANDIDATES = [
+CANDIDATES = [
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=True),
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, flatten=True),
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=32, num_warps=8, num_stages=3, flatten=True),
@@ -34,8 +28,6 @@ LCE_CANDIDATES = [
 
 
 def _bench(fn, reps=3):
-    from benchmarks.common import time_cuda
-
     return time_cuda(fn, warmup=1, reps=reps)[0]
 
 
@@ -51,8 +43,7 @@ CHECK_ROWS = 64  # tokens compared with the fp32 torch reference per bucket
 
 
 def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn=None, candidates=None):
-    from benchmarks.common import pick_fastest, rel_err
-    from hopperkern.lce.launch import LceOptions, lce_backward, lce_forward
+    from ..lce.launch import LceOptions, lce_backward, lce_forward
 
     opts = LceOptions()
     w = (torch.randn(V, H, device=device) * 0.5).to(dtype)
@@ -88,59 +79,10 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
                                        need_weight_grad=False, config=cfg)[0]
                     return rel_err(d_h[sel], ref_dh)
             # fp32 LSE of exact bf16 products: only summation order differs (~1e-6); d_hidden is rounded to bf16.
-            best = pick_fastest(candidates or LCE_CANDIDATES, run, time_fn or _bench, log=log,
+            best = pick_fastest(candidates or CANDIDATES, run, time_fn or _bench, log=log,
                                 what=f"lce {phase} H={H} N={N}",
                                 check=check, tol=1e-4 if phase == "forward" else 2e-2)
             if best is not None:
                 result.setdefault(tuning.lce_key(phase, dtype, H), {})[str(N)] = best[1]
                 log(f"lce {phase} H={H} N={N}: best {best[1].model_dump()} {best[0]:.3f} ms")
         del h, y, lp, ent, lse, g, ref_lse, ref_dh
-
-
-def merge_into_file(path: Path, *, lce: dict | None = None, moe: dict | None = None,
-                    tuner: str = "python -m benchmarks.tune"):
-    """Merge tuned entries (``{key: {bucket: config}}`` for the LCE and MoE sections) into the tuning file at
-    ``path`` (created if missing), keeping every other entry, stamping device, Triton version, time and
-    tuner, and validating through the :mod:`hopperkern.tuning` models before writing. Returns the config."""
-    import triton
-
-    from hopperkern.tma import capability
-
-    data = (tuning.load_config(path) if path.is_file() else tuning.TuningConfig()).model_dump()
-    for section, found in (("lce", lce), ("moe", moe)):
-        for key, buckets in (found or {}).items():
-            data[section].setdefault(key, {}).update({b: c.model_dump() for b, c in buckets.items()})
-    data.update(device_name=capability().device_name or data["device_name"], triton_version=triton.__version__,
-                tuned_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tuner=tuner)
-    out = tuning.TuningConfig.model_validate(data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out.save(path)
-    return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=Path("configs"))
-    ap.add_argument("--only", choices=("lce", "moe"), default=None)
-    ap.add_argument("--budget-s", type=float, default=240.0, help="time budget of the MoE sweep")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune: needs a CUDA GPU")
-        return 1
-    from hopperkern.tma import capability
-
-    path = args.out / f"{capability().config_name}.json"
-    t0 = time.time()
-    lce = tune_lce() if args.only in (None, "lce") else None
-    moe = None
-    if args.only in (None, "moe"):
-        from benchmarks.tune_moe import tune_moe_default
-
-        moe = tune_moe_default(time_budget_s=args.budget_s)
-    merge_into_file(path, lce=lce, moe=moe)
-    print(f"tune: wrote {path} in {time.time() - t0:.0f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
