@@ -94,7 +94,7 @@ def compile_one(job):
                     stride_w13e=2 * I * H, stride_w13n=H, stride_w13h=1, stride_pm=2 * I, stride_ym=I,
                     stride_gm=2 * I, stride_twt=8, stride_twk=1)
         const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                     ACT=K.ACT_SILU, RECOMPUTE=recompute, HALVES=1 if recompute else 2, D_TMA=y_tma,
+                     ACT=K.ACT_SILU, RECOMPUTE=recompute, HALVES=2 if y_tma and not recompute else 1, D_TMA=y_tma,
                      X_TMA=y_tma and recompute, W2_TMA=w_tma, W13_TMA=w_tma and recompute,
                      PG_TMA=y_tma and not recompute, PU_TMA=y_tma and not recompute, Y_TMA=y_tma,
                      DG_TMA=y_tma, DU_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)

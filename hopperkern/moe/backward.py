@@ -140,9 +140,6 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
         # 2) dY = Ds @ w2[e] with the activation backward: d(gate, up), Yw = w y, partial <dY, y>.
         dgu = torch.empty((rows, 2 * I), dtype=dt, device=dev)
         y_w = torch.empty((rows, I), dtype=dt, device=dev)
-        halves = 1 if recompute or I <= bn else 2  # two accumulators per tile (see _dgate_up_kernel)
-        num_n = cdiv(I, halves * bn)
-        part = torch.empty((num_n, rows), dtype=torch.float32, device=dev)
         pg, pu = (y_w, y_w) if recompute else (pre[:, :I], pre[:, I:])
         dg, du = dgu[:, :I], dgu[:, I:]
         ops = {"d_out_sorted": (d_sorted, (bm, bk)), "w2": (w2, (1, bk, bn)), "d_gate": (dg, (bm, bn)),
@@ -153,6 +150,11 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
             ops.update(pre_gate=(pg, (bm, bn)), pre_up=(pu, (bm, bn)))
         d = _tma.decide(tma, ops, op="moe.backward.dgate_up")
         del ops  # it references Ds and Yw: they must be freed below
+        # Two accumulators per tile (see _dgate_up_kernel) where the epilogue's tiles come through TMA: with
+        # pointer loads and stores that epilogue spills registers (ptxas, sm_90), so those launches keep one.
+        halves = 2 if not recompute and I > bn and all(d.use.values()) else 1
+        num_n = cdiv(I, halves * bn)
+        part = torch.empty((num_n, rows), dtype=torch.float32, device=dev)
         x_arg = x_sorted if recompute else d_sorted
         progs = num_programs(c1, dt.itemsize, 3 if recompute else halves, dev)
         grid = (min(plan.max_blocks * num_n, progs),)
