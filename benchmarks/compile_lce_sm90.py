@@ -42,12 +42,13 @@ def main() -> int:
                           t_ptr="fp32", sumz_ptr="fp32", zl_ptr="fp32", N=N, V=V, H=H, S=17, tiles_per_split=30, stride_hn=H, stride_hk=1,
                           stride_wv=H, stride_wk=1, softcap=1.0, inv_temp=1.0),
                      dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
-                          NEED_T=True, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma, DOT_PRECISION="tf32"),
+                          NEED_T=True, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma, DOT_PRECISION="tf32",
+                          PICK_LABEL=True),
                      w, st)
                 comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,
                      dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32",
                           ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", d_ptr="bf16",
-                          N=N, V=V, H=H, col_begin=0, ncols=8192, stride_hn=H, stride_hk=1, stride_wv=H,
+                          N=N, V=V, V_total=V, H=H, col_begin=0, ncols=8192, stride_hn=H, stride_hk=1, stride_wv=H,
                           stride_wk=1, stride_dn=8192, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                           softcap=1.0, inv_temp=1.0),
                      dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
@@ -57,7 +58,7 @@ def main() -> int:
     for softcap in (False, True):
         comp(f"lce_onehot   softcap={int(softcap)}", K.lce_onehot_kernel,
              dict(labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32",
-                  gz_ptr="fp32", logprob_ptr="fp32", d_ptr="bf16", N=N, V=V, col_begin=0, ncols=8192,
+                  gz_ptr="fp32", logprob_ptr="fp32", d_ptr="bf16", N=N, V_total=V, col_begin=0, ncols=8192,
                   stride_dn=8192, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=30.0, inv_temp=1.0),
              dict(BLOCK_N=128, SOFTCAP=softcap, HAS_GL=True, HAS_GP=True, HAS_GE=True, HAS_GZ=True), 4, 1)
     for tma in (False, True):

@@ -1,9 +1,9 @@
 """``hopperkern.lce``: fused linear cross-entropy (loss, per-token log-probs and entropy of hidden @ weight.T)
 forward and backward, never holding the N x V logits.
 
-Public: :func:`linear_cross_entropy`, :func:`linear_logprobs_entropy`, and their ``nn.Module`` forms
-:class:`LinearCrossEntropyLoss`, :class:`LinearLogprobsEntropy` (``modules``). Lower level: :mod:`.launch`
-(``lce_forward``, ``lce_backward``), :mod:`.reference` (plain PyTorch).
+Public: :func:`linear_cross_entropy`, :func:`linear_logprobs_entropy` (both vocab-parallel with ``process_group=``,
+see :mod:`.distributed`), and their ``nn.Module`` forms :class:`LinearCrossEntropyLoss`, :class:`LinearLogprobsEntropy`
+(``modules``). Lower level: :mod:`.launch` (``lce_forward``, ``lce_backward``), :mod:`.reference` (plain PyTorch).
 """
 
 from ..tma import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load

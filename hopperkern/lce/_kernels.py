@@ -214,9 +214,10 @@ def lce_combine_kernel(
 
 @triton.jit
 def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr, ignore_index,
-                      label_smoothing, z_loss, V, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
+                      label_smoothing, z_loss, V_total, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
                       HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr):
-    """Per-token coefficients of dz = p (A + B z) + C [j == label] + D (see lce_dlogits_kernel)."""
+    """Per-token coefficients of dz = p (A + B z) + C [j == label] + D (see lce_dlogits_kernel). ``V_total`` is
+    the size of the whole vocabulary, over which label smoothing spreads eps (a vocab shard's V is smaller)."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = (labels != ignore_index).to(tl.float32)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -228,7 +229,7 @@ def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr
         gl = tl.load(gl_ptr + rows, mask=row_ok, other=0.0) * kept
         a += gl * (1.0 + 2.0 * z_loss * lse)
         c -= gl * (1.0 - label_smoothing)
-        d -= gl * (label_smoothing / V)
+        d -= gl * (label_smoothing / V_total)
     if HAS_GP:
         gp = tl.load(gp_ptr + rows, mask=row_ok, other=0.0) * kept
         a -= gp
@@ -252,7 +253,7 @@ def lce_dlogits_kernel(
     lse_ptr, ent_ptr,  # [N] fp32 from the forward (ent only read when HAS_GE)
     gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # [N] fp32 upstream grads of loss, logprob, entropy, lse (each optional)
     d_ptr,  # [N, ld_d] out: d loss / d (h @ w^T + b) for vocab columns col_begin .. col_begin + ncols
-    N, V, H, col_begin, ncols,
+    N, V, V_total, H, col_begin, ncols,  # V: weight's rows; V_total: the whole vocabulary (> V for a vocab shard)
     stride_hn, stride_hk, stride_wv, stride_wk, stride_dn,
     ignore_index, label_smoothing, z_loss, softcap, inv_temp,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
@@ -268,7 +269,7 @@ def lce_dlogits_kernel(
     softmax of z and E = E_p[z] = lse - entropy, the gradient w.r.t. z is
         dz = p * (A + B z) + C [j == label] + D,
         A = kept (g_loss (1 + 2 z_loss lse) - g_logprob) + g_entropy E + g_lse,   B = -g_entropy,
-        C = kept (g_logprob - g_loss (1 - eps)),                                 D = -kept g_loss eps / V,
+        C = kept (g_logprob - g_loss (1 - eps)),                           D = -kept g_loss eps / V_total,
     then d raw = dz / temperature * (1 - tanh^2) (the tanh factor only with softcap), formed in fp32 and rounded
     once to d's dtype. The C term touches one column per row: rather than a compare-select in every tile, the label
     column gets p (A + B z) + D here and lce_onehot_kernel overwrites it afterwards (when C can be nonzero).
@@ -291,7 +292,7 @@ def lce_dlogits_kernel(
                          softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA,
                          DOT_PRECISION)
         _, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
-                                               gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
+                                               gz_ptr, ignore_index, label_smoothing, z_loss, V_total, BLOCK_N,
                                                HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
         # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
         p = tl.exp(z - lse[:, None])
@@ -309,7 +310,7 @@ def lce_onehot_kernel(
     labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # as in lce_dlogits_kernel
     logprob_ptr,  # [N] fp32 log p of the label from the forward (z_label - lse, formed once in fp32)
     d_ptr,  # [N, ld_d] the slice written by lce_dlogits_kernel; its label entries are overwritten
-    N, V, col_begin, ncols, stride_dn, ignore_index, label_smoothing, z_loss, softcap, inv_temp,
+    N, V_total, col_begin, ncols, stride_dn, ignore_index, label_smoothing, z_loss, softcap, inv_temp,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
 ):
@@ -329,9 +330,11 @@ def lce_onehot_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     labels, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
-                                                gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
+                                                gz_ptr, ignore_index, label_smoothing, z_loss, V_total, BLOCK_N,
                                                 HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
     col = labels - col_begin
+    # A label outside this slice touches nothing, and so does a negative id: on a vocab shard, a label that
+    # another rank's shard holds (hopperkern.lce.distributed).
     here = row_ok & (labels != ignore_index) & (col >= 0) & (col < ncols)
     logp = tl.load(logprob_ptr + rows, mask=here, other=0.0)
     p = tl.exp(logp)

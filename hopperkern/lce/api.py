@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .distributed import check_process_group, vocab_parallel_forward
 from .launch import validate_inputs
 from .ops import lce_forward_impl, lce_forward_op
 
@@ -34,6 +35,20 @@ def _op(grad: bool):
     return lce_forward_op if grad or torch.compiler.is_compiling() else lce_forward_impl
 
 
+def _forward(process_group, grad: bool, *args):
+    """Per-token (loss, logprob, entropy, lse) from the op's arguments (pick_label = grad): the local op, or the
+    vocab-parallel path over ``process_group`` (:mod:`hopperkern.lce.distributed`)."""
+    if process_group is not None:
+        return vocab_parallel_forward(process_group, *args, grad)
+    return _op(grad)(*args, grad)
+
+
+def _sharded(process_group) -> bool:
+    if process_group is not None:
+        check_process_group(process_group)  # TypeError
+    return process_group is not None
+
+
 def _flat(hidden: torch.Tensor) -> torch.Tensor:
     # A view whenever the leading dims can be merged; otherwise reshape copies hidden (O(N*H), never the
     # [V, H] weight). 2-D inputs are always passed through with their strides.
@@ -48,7 +63,7 @@ def _small_contiguous(labels, bias):
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0, tma="auto",
-                         check_labels=True):
+                         check_labels=True, process_group=None):
     """Cross-entropy of ``hidden @ weight.T`` without materialising the N x V logits.
 
     Equivalent to (all math in fp32)::
@@ -68,16 +83,35 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         tma: "auto" | "always" | "never" (``HOPPERKERN_TMA`` overrides).
         check_labels: verify labels lie in [0, V) or equal ignore_index (one pass + one host sync); pass
             False when labels are known valid (an invalid label then gives NaN, never a wrong loss).
+        process_group: None, or a ``torch.distributed.ProcessGroup`` over which the head is vocab-parallel (see
+            below).
 
     Returns: float32 scalar, or labels.shape for reduction="none". Differentiable w.r.t. hidden, weight, bias.
+
+    Vocab parallelism (``process_group`` given): ``weight`` [V_r, H] and ``bias`` [V_r] are this rank's contiguous
+    rows of the whole [V, H] head, the shards in the order of the ranks in the group (uneven sizes, and empty
+    shards beside non-empty ones, are fine); hidden, labels (global ids in [0, V) with V the sum of the shards,
+    which ``check_labels`` checks against) and every option are the same on every rank. Every rank gets the
+    unsharded call's result (to fp32 summation order): label smoothing spreads eps over the global V, z-loss
+    and "mean" (over the kept tokens, the same on every rank) are those of the whole head. Per call: one
+    all-gather of (V_r, N, H) per rank with one host sync (each rank's vocab offset; ranks whose N or H differ
+    raise ValueError together), then two all-reduces on O(N) fp32 data (the per-token max, then the sums of
+    exp, entropy terms, logits and the label's logit). The backward all-reduces (sums) d_hidden once as fp32
+    [N, H] on every rank, then rounds it to hidden's dtype; d_weight and d_bias are this shard's, local. The
+    upstream gradient must be the same on every rank. No logits or weights are gathered: memory per rank is the
+    unsharded op's on the shard plus O(N). Under torch.compile this path runs eagerly (not traced). See
+    :mod:`hopperkern.lce.distributed`. Meant for gloo (CPU tensors) and NCCL (CUDA tensors); tested so far only on
+    CPUs with gloo under Triton's interpreter, not yet with NCCL on GPUs.
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
     validate_inputs(hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                    z_loss=z_loss, softcap=softcap, temperature=temperature, tma=tma, reduction=reduction)
+                    z_loss=z_loss, softcap=softcap, temperature=temperature, tma=tma, reduction=reduction,
+                    vocab_shard=_sharded(process_group))
     lab, bias = _small_contiguous(labels, bias)
     grad = _backward_follows(hidden, weight, bias)
-    loss, _, _, _ = _op(grad)(_flat(hidden), weight, lab, bias, ignore_index, float(label_smoothing), float(z_loss),
-                              float(softcap or 0.0), float(temperature), tma, False, bool(check_labels), grad)
+    loss, _, _, _ = _forward(process_group, grad, _flat(hidden), weight, lab, bias, ignore_index,
+                             float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature), tma,
+                             False, bool(check_labels))
     if reduction == "none":
         return loss.view(labels.shape)
     total = loss.sum()
@@ -87,7 +121,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
 
 
 def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_index=-100, tma="auto",
-                            check_labels=True):
+                            check_labels=True, process_group=None):
     """Per-token log-probabilities of ``labels`` and entropies under softmax(hidden @ weight.T / temperature).
 
     Equivalent to::
@@ -102,11 +136,19 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     same tiles as the log-sum-exp (so the backward's p - 1 keeps full precision for confident predictions); a
     no-grad call takes it from a cheaper dot product: its log-probs agree with a differentiable call's to fp32
     rounding (~1e-6), not bit for bit.
+
+    ``process_group``: a ``torch.distributed.ProcessGroup`` over which the head is vocab-parallel, as for
+    :func:`linear_cross_entropy`: ``weight`` holds this rank's contiguous rows (shards in rank order, uneven or
+    empty ones allowed), labels are global ids, and every rank gets the unsharded call's log-probs and entropies
+    (to fp32 summation order). One all-gather of the shard sizes (one host sync) and two all-reduces on O(N) fp32
+    data per call; the backward all-reduces d_hidden (fp32 [N, H], summed) and keeps d_weight local. Not traced
+    by torch.compile (runs eagerly). Tested so far on CPUs with gloo under Triton's interpreter only, not with NCCL.
     """
     hidden, weight = _autocast(hidden, weight)
-    validate_inputs(hidden, weight, labels, None, ignore_index=ignore_index, temperature=temperature, tma=tma)
+    validate_inputs(hidden, weight, labels, None, ignore_index=ignore_index, temperature=temperature, tma=tma,
+                    vocab_shard=_sharded(process_group))
     lab, _ = _small_contiguous(labels, None)
     grad = _backward_follows(hidden, weight)
-    _, logprob, entropy, _ = _op(grad)(_flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0, 0.0,
-                                       float(temperature), tma, True, bool(check_labels), grad)
+    _, logprob, entropy, _ = _forward(process_group, grad, _flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0,
+                                      0.0, float(temperature), tma, True, bool(check_labels))
     return logprob.view(labels.shape), entropy.view(labels.shape)

@@ -42,7 +42,8 @@ from ._kernels import (
     lce_onehot_kernel,
 )
 
-__all__ = ["LceOptions", "lce_forward", "lce_backward", "check_labels", "validate_inputs", "forward_plan"]
+__all__ = ["LceOptions", "lce_forward", "lce_backward", "check_labels", "combine_stats", "validate_inputs",
+           "forward_plan"]
 
 DLOGITS_BUDGET = 128 * 2**20  # bytes of the per-slice d(logits) buffer
 STATS_BUDGET = 8 * 2**20  # bytes of the forward's per-split statistics (5 fp32 [S, N] arrays)
@@ -70,8 +71,9 @@ class LceOptions:
 
 
 def validate_inputs(hidden, weight, labels, bias, *, ignore_index, label_smoothing=0.0, z_loss=0.0, softcap=None,
-                    temperature=1.0, tma="auto", reduction=None) -> None:
-    """Check dtypes, shapes and options before anything is launched (TypeError / ValueError)."""
+                    temperature=1.0, tma="auto", reduction=None, vocab_shard=False) -> None:
+    """Check dtypes, shapes and options before anything is launched (TypeError / ValueError). ``vocab_shard``:
+    ``weight`` is one rank's shard of a vocab-parallel head, which may have no rows."""
     check_dtype("hidden", hidden, FLOAT_DTYPES)
     check_dtype("weight", weight, FLOAT_DTYPES)
     check_same_dtype("weight", weight, "hidden", hidden)
@@ -85,7 +87,7 @@ def validate_inputs(hidden, weight, labels, bias, *, ignore_index, label_smoothi
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
     V, H = weight.shape
-    if V == 0 or H == 0:
+    if (V == 0 and not vocab_shard) or H == 0:
         raise ValueError(f"weight must have V >= 1 rows and H >= 1 columns, got shape {tuple(weight.shape)}")
     if hidden.shape[-1] != H:
         raise ValueError(f"hidden must have last dim {H} (weight.shape[1]), got shape {tuple(hidden.shape)}")
@@ -169,7 +171,8 @@ def _sm_count(device) -> int:
 
 
 def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
-                *, need_entropy: bool = True, config: KernelConfig | None = None, pick_label: bool = True):
+                *, need_entropy: bool = True, config: KernelConfig | None = None, pick_label: bool = True,
+                stats_only: bool = False):
     """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N].
 
     loss includes label smoothing and z-loss (0 at ignored tokens); logprob is 0 at ignored tokens; entropy
@@ -180,6 +183,10 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     the log-sum-exp, so p - 1 of a confident prediction keeps its precision in the backward (see
     ``lce_forward_kernel``); False takes it from a separate O(N*H) dot product, ~5-8 % faster, with log p
     itself as accurate (~1e-6 absolute).
+
+    ``stats_only`` (N >= 1; the vocab-parallel path, :mod:`.distributed`, merges them across ranks): return the
+    per-split statistics ``(m, s, t, sumz, zl)`` instead, each fp32 [S, N] (zl [1, N] without ``pick_label``),
+    as :func:`combine_stats` takes them; t (sumz) is ``m`` itself when entropy (label smoothing) is not asked for.
     """
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     N = hidden2d.shape[0]
@@ -219,12 +226,29 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
         PICK_LABEL=pick_label, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if stats_only:
+        return m, s, t, sumz, zl
+    combine_stats(m, s, t, sumz, zl, labels1d, V, opts, (loss, logprob, entropy, lse), need_entropy=need_entropy,
+                  need_sumz=need_sumz)
+    return loss, logprob, entropy, lse
+
+
+def combine_stats(m, s, t, sumz, zl, labels1d, V: int, opts: LceOptions, out, *, need_entropy: bool,
+                  need_sumz: bool) -> None:
+    """Merge per-split statistics into ``out = (loss, logprob, entropy, lse)``, each fp32 [N] (lce_combine_kernel).
+
+    m, s, t, sumz: fp32 [S, N] (t read only with ``need_entropy``, sumz only with ``need_sumz``); zl: fp32 [S_ZL, N],
+    the label's logit where a split holds it and 0 elsewhere. ``V`` is the whole vocabulary's size: label smoothing's
+    eps / V, and a kept label outside [0, V) gives NaN. :func:`lce_forward` ends with it; the vocab-parallel path
+    (:mod:`.distributed`) calls it with S = 1 on statistics already summed across ranks.
+    """
+    S, N = m.shape
+    loss, logprob, entropy, lse = out
     lce_combine_kernel[(cdiv(N, _COMBINE_BLOCK),)](
         m, s, t, sumz, zl, labels1d, loss, logprob, entropy, lse,
         N, V, S, zl.shape[0], opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
         BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz,
     )
-    return loss, logprob, entropy, lse
 
 
 def _slice_cols(N: int, V: int, block_v: int, elem: int) -> int:
@@ -258,7 +282,8 @@ def _check_logprob(logprob, N: int) -> None:
 
 def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
                  opts: LceOptions, *, logprob=None, zlab=None, need_weight_grad: bool = True,
-                 need_hidden_grad: bool = True, config: KernelConfig | None = None):
+                 need_hidden_grad: bool = True, config: KernelConfig | None = None, vocab_total: int | None = None,
+                 fp32_hidden_grad: bool = False):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the input dtype.
 
     ``lse``, ``entropy`` and ``logprob`` are the forward's fp32 [N] outputs (see :func:`lce_forward`); ``g_*``
@@ -279,10 +304,16 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     and ignored: the label's final logit (for the softcap factor) is ``logprob + lse``.
     Extra memory: fp32 [N, H] for d_hidden's sum over vocab slices plus one [N, Vs] d(logits) slice
     (<= ``DLOGITS_BUDGET`` bytes).
+
+    For one rank's vocab shard (:mod:`.distributed`): ``vocab_total`` is the whole vocabulary's size (the V of
+    eps / V above; default ``weight.shape[0]``), labels are shard-local column ids, any negative id other than
+    ``ignore_index`` meaning "held by another shard" (its token keeps every term but the label column's C), and
+    ``fp32_hidden_grad`` returns d_hidden as the fp32 sum itself, to be summed across ranks before one rounding.
     """
     _tma.check_interpreter(hidden2d.dtype, "lce.backward")  # no launch the interpreter gets wrong
     N, H = hidden2d.shape
     V = weight.shape[0]
+    V_total = V if vocab_total is None else int(vocab_total)
     dev, dt = hidden2d.device, hidden2d.dtype
     label_term = g_loss is not None or g_logprob is not None
     if label_term:
@@ -317,7 +348,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
         num_tiles = cdiv(N, cfg.block_m) * cdiv(ncols, cfg.block_n)
         progs = min(num_tiles, sms)
         lce_dlogits_kernel[(progs,)](
-            hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf, N, V, H, col_begin, ncols,
+            hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf, N, V, V_total, H, col_begin, ncols,
             hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
             BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
             HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), **flags, NUM_PROGRAMS=progs, FLATTEN=cfg.flatten,
@@ -328,7 +359,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             # Overwrites the label entries just written (same stream): p (A + B z) + C + D from the forward's
             # fp32 log-prob, rounded once. Without g_loss and g_logprob, C = 0 and the tile's entry is final.
             lce_onehot_kernel[(cdiv(N, _COMBINE_BLOCK),)](
-                labels1d, lse, entropy, *grads, logprob, dbuf, N, V, col_begin, ncols,
+                labels1d, lse, entropy, *grads, logprob, dbuf, N, V_total, col_begin, ncols,
                 dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=bool(opts.softcap), **flags,
             )
         dl = dbuf[:, :ncols]
@@ -339,5 +370,5 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols])
         if d_b is not None:
             d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)
-    d_h = acc_h.to(dt) if need_hidden_grad else None
+    d_h = (acc_h if fp32_hidden_grad else acc_h.to(dt)) if need_hidden_grad else None
     return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
