@@ -56,9 +56,11 @@ def run_meta() -> dict:
     try:
         import warnings
 
+        warned = set(tuning._WARNED)  # the lookup below must not use up the run's own fallback warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cfg_origin = tuning.load_config().origin
+        tuning._WARNED.intersection_update(warned)
     except Exception as exc:  # a broken file must not hide the figures
         cfg_origin = f"error: {exc}"
     if os.sep in cfg_origin:  # a file: its name only, so stored results name no machine's folders

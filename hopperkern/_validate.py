@@ -45,7 +45,9 @@ def check_local_memory(name: str, t: torch.Tensor) -> None:
             f"{name} must be a plain torch.Tensor, got a DTensor with placements {tuple(t.placements)}: hopperkern's "
             f"kernels read local memory. Pass {name}.full_tensor(); for FSDP2 parameters, call the op inside the "
             "forward of the module that fully_shard wraps, where they are gathered into plain tensors")
-    if type(t) in _PLAIN_TENSORS and t.numel() and t.untyped_storage().nbytes() == 0:
+    if (type(t) in _PLAIN_TENSORS and t.layout == torch.strided and t.numel()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t)  # vmap / grad wrappers have no storage
+            and t.untyped_storage().nbytes() == 0):
         raise ValueError(
             f"{name} must hold its {t.numel()} elements in memory, got a tensor of shape {tuple(t.shape)} whose "
             "storage is empty (freed, as FSDP does to gathered parameters after the forward). Call the op "

@@ -287,7 +287,10 @@ def packaged_config_dirs() -> list[Path]:
     """Folders that may hold packaged tuning files: the wheel's ``hopperkern/configs`` and a checkout's
     top-level ``configs/``."""
     here = _package_dir()
-    return [here / "configs", here.parent / "configs"]
+    dirs = [here / "configs"]
+    if (here.parent / "pyproject.toml").is_file():  # a source checkout; in a wheel install here.parent is
+        dirs.append(here.parent / "configs")          # site-packages, whose configs/ may belong to anything
+    return dirs
 
 
 def _parse_file(path: Path, named: bool) -> TuningConfig:
@@ -380,9 +383,19 @@ def _closest_file(device: str, folders: list[Path]):
             continue
         listed.append(str(d))
         for f in sorted(d.glob("*.json")):
-            files.setdefault(f.stem, f)  # an earlier folder wins, as in the lookup by name
-    best = closest_devices(device, list(files), compute_capability=cc, sm_count=sms)
-    return (files[best[0]] if best else None), tuple(listed), cc
+            if normalize_device_name(f.stem) == f.stem:  # only names a tuning file can have (no "x.old.json")
+                files.setdefault(f.stem, f)  # an earlier folder wins, as in the lookup by name
+    # Candidates in order of closeness; one that is not a valid tuning file for its name (notes, a backup, a
+    # sweep dump) is passed over rather than breaking every op call on this GPU.
+    for stem in closest_devices(device, list(files), compute_capability=cc, sm_count=sms):
+        try:
+            _parse_file(files[stem], True)
+        except TuningFileError as exc:
+            warnings.warn(f"hopperkern: passing over {files[stem]} as the closest tuning file for {device}: {exc}",
+                          stacklevel=4)
+            continue
+        return files[stem], tuple(listed), cc
+    return None, tuple(listed), cc
 
 
 def config_search(source=None) -> ConfigSearch:

@@ -70,7 +70,8 @@ class TpCase:
     kernel_only: dict = field(default_factory=dict)  # options the reference does not take (check_labels)
     shape: tuple = SHAPE
     # "N" (tokens) or "H" (hidden size) differ between ranks; "empty": every shard empty; "outsider": called with
-    # the other pair's group, which this process is not in
+    # the other pair's group, which this process is not in; "rank0_fails": group rank 0's local launch raises
+    # (simulated: its lce_forward is replaced by one that raises what a refused TMA launch raises)
     skew: str | None = None
     error: tuple | None = None  # (exception type name, message pattern) that every rank must raise
     layouts: tuple = ("2a", "2b", "4")  # where it runs: options alone once, their combinations on every layout
@@ -192,6 +193,13 @@ ERRORS = [
                "TypeError", r"process_group must be a torch.distributed.ProcessGroup or None, got int")),
 ]
 
+# Errors raised by one rank only: that rank raises its own error, every other rank of the group a RuntimeError
+# saying so, instead of waiting in the next collective.
+ONE_RANK_FAILS = [
+    TpCase("one rank fails", "group rank 0's local forward raises (e.g. tma='always' refused for its shard alone); "
+           "the others, an empty shard among them, stop too", skew="rank0_fails",
+           error=("UnsupportedError", r"tma='always' was asked for, but TMA cannot be used")),
+]
 
 # ---------------------------------------------------------------------------------------------------------------
 # The children
@@ -213,11 +221,18 @@ def _one(case: TpCase, data, group, split, rank_in_group, other_group):
         data["hidden"], data["weight"] = data["hidden"][:, rank_in_group:], data["weight"][:, rank_in_group:]
     if case.skew == "outsider":
         group = other_group
+    weight = data["weight"][rows]
     impl = torch.compile(case.functions[0], backend="eager") if case.compiled else case.functions[0]
     before, picks, real = tma.last_decision(T.FWD), [], distributed.lce_forward
     distributed.lce_forward = lambda *a, **k: picks.append(k["pick_label"]) or real(*a, **k)
+    if case.skew == "rank0_fails" and rank_in_group == 0:
+        def refused(*a, **k):
+            raise tma.UnsupportedError("lce.forward: tma='always' was asked for, but TMA cannot be used",
+                                       ["weight: stride(0)=164 bytes is not a multiple of 16"])
+
+        distributed.lce_forward = refused
     try:
-        outs, grads = case.run(impl, data, weight=data["weight"][rows],
+        outs, grads = case.run(impl, data, weight=weight,
                                bias=None if data["bias"] is None else data["bias"][rows], tma=case.tma,
                                process_group=group, **case.kernel_only)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which checks it
@@ -426,6 +441,18 @@ def test_vocab_parallel_errors(case, layout, tp):
     assert len({e[1] for e in errs}) == 1, errs
 
 
+@pytest.mark.parametrize("case, layout", _where(ONE_RANK_FAILS))
+def test_one_rank_failing_stops_the_group(case, layout, tp):
+    """A launch refused on one rank only: that rank raises its error, the others a RuntimeError that says another
+    rank failed (the job finishing at all shows that no rank waited in a collective)."""
+    ranks, _ = tp.layouts[layout]
+    errs = [tp.results[r][(case.name, layout)]["error"] for r in ranks]
+    typ, pattern = case.error
+    assert errs[0] is not None and errs[0][0] == typ and re.search(pattern, errs[0][1]), errs[0]
+    for r, e in zip(ranks[1:], errs[1:]):
+        assert e is not None and e[0] == "RuntimeError" and "another rank of the group failed" in e[1], f"rank {r}: {e}"
+
+
 @pytest.mark.parametrize("fn", [lce.linear_cross_entropy, lce.linear_logprobs_entropy])
 def test_process_group_must_be_a_process_group(fn):
     inp = T.make_inputs(T.SMALL)
@@ -462,7 +489,7 @@ def _layouts(backend):
 
 
 def _cases(backend):
-    return GPU_CASES if backend == "nccl" else CASES + ERRORS
+    return GPU_CASES if backend == "nccl" else CASES + ERRORS + ONE_RANK_FAILS
 
 
 @pytest.mark.gpu

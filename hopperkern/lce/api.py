@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .distributed import check_process_group, vocab_parallel_forward
 from .launch import validate_inputs
 from .ops import lce_forward_impl, lce_forward_op
 
@@ -39,12 +38,16 @@ def _forward(process_group, grad: bool, *args):
     """Per-token (loss, logprob, entropy, lse) from the op's arguments (pick_label = grad): the local op, or the
     vocab-parallel path over ``process_group`` (:mod:`hopperkern.lce.distributed`)."""
     if process_group is not None:
+        from .distributed import vocab_parallel_forward  # on first use: it imports torch.distributed and dynamo
+
         return vocab_parallel_forward(process_group, *args, grad)
     return _op(grad)(*args, grad)
 
 
 def _sharded(process_group) -> bool:
     if process_group is not None:
+        from .distributed import check_process_group
+
         check_process_group(process_group)  # TypeError
     return process_group is not None
 

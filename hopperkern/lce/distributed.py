@@ -140,10 +140,15 @@ def _forward(hidden2d, weight, bias, labels1d, local, call: _Call, pick_label: b
     need_sumz = opts.label_smoothing > 0
     mx = torch.full((N,), float("-inf"), **f32)  # an empty shard: max over no columns
     block = torch.zeros((2 + call.need_entropy + need_sumz, N), **f32)  # an empty shard adds zeros
+    failure = None
     if shard.size:
-        m, s, t, sumz, zl = lce_forward(hidden2d, weight, local, bias, call.local_opts,
-                                        need_entropy=call.need_entropy, pick_label=pick_label, stats_only=True)
-        torch.amax(m, 0, out=mx)
+        try:
+            m, s, t, sumz, zl = lce_forward(hidden2d, weight, local, bias, call.local_opts,
+                                            need_entropy=call.need_entropy, pick_label=pick_label, stats_only=True)
+            torch.amax(m, 0, out=mx)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank together
+            failure = exc
+    _raise_together(failure, shard.group, hidden2d.device)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=shard.group)
     if shard.size:
         scale = torch.exp(m - mx)  # every split's m <= M, every M finite: no inf - inf
@@ -158,6 +163,20 @@ def _forward(hidden2d, weight, bias, labels1d, local, call: _Call, pick_label: b
     combine_stats(mx[None], s_g, t_g, sumz_g, next(rows), labels1d, shard.vocab, opts, (loss, logprob, entropy, lse),
                   need_entropy=call.need_entropy, need_sumz=need_sumz)
     return loss, logprob, entropy, lse
+
+
+def _raise_together(failure, group, device) -> None:
+    """Make an error on some ranks an error on all: a rank whose local launch raised (a bad tuning file,
+    ``tma="always"`` refused for its shard) would otherwise leave the others, an empty shard's included, waiting
+    in the next collective until the group times out. One int all-reduce; the failing rank re-raises its error,
+    the others a RuntimeError that says so."""
+    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if failure is not None:
+        raise failure
+    if int(flag.item()):
+        raise RuntimeError("hopperkern vocab-parallel LCE: another rank of the group failed in its local launch "
+                           "(its error is raised there); this rank stops too instead of waiting for it")
 
 
 class _VocabParallelLce(torch.autograd.Function):
@@ -182,11 +201,19 @@ class _VocabParallelLce(torch.autograd.Function):
         need_b = bias is not None and ctx.needs_input_grad[2]
         g = [x.float().contiguous() if x is not None else None for x in (g_loss, g_logprob, g_entropy, g_lse)]
         with launch_context(hidden2d, "hopperkern.lce backward"):
+            failure = None
             if call.shard.size and hidden2d.shape[0]:
-                dh, dw, db = lce_backward(hidden2d, weight, local, bias, lse, entropy, *g, call.local_opts,
-                                          logprob=logprob, need_hidden_grad=need_h, need_weight_grad=need_w,
-                                          vocab_total=call.shard.vocab, fp32_hidden_grad=True)
-            else:  # an empty shard (or no tokens): nothing to add but zeros
+                try:
+                    dh, dw, db = lce_backward(hidden2d, weight, local, bias, lse, entropy, *g, call.local_opts,
+                                              logprob=logprob, need_hidden_grad=need_h, need_weight_grad=need_w,
+                                              vocab_total=call.shard.vocab, fp32_hidden_grad=True)
+                except Exception as exc:  # noqa: BLE001 - raised below, on every rank together
+                    failure = exc
+            if need_h and hidden2d.shape[0]:  # the ranks that all-reduce d_hidden below first agree it exists
+                _raise_together(failure, call.shard.group, hidden2d.device)
+            elif failure is not None:
+                raise failure
+            if not (call.shard.size and hidden2d.shape[0]):  # an empty shard (or no tokens): zeros only
                 dh = torch.zeros(hidden2d.shape, dtype=torch.float32, device=hidden2d.device) if need_h else None
                 dw = torch.zeros_like(weight) if need_w else None
                 db = torch.zeros_like(bias) if bias is not None else None
