@@ -108,18 +108,19 @@ def test_module_entry_point_json():
     assert json.loads(out.stdout)["environment"]["triton"] == triton.__version__
 
 
-def test_markup_in_data_is_escaped(monkeypatch):
+def test_markup_in_data_is_escaped(monkeypatch, tmp_path):
     weird = "[tma] needs [bold]Hopper[/bold]"
     assert Text.from_markup(weird).plain == " needs Hopper"  # unescaped, rich eats every tag
     _fake_capability(monkeypatch, Capability(
         cuda_available=True, interpreter=False, device_name="GPU [x]", compute_capability=(8, 0), sm_count=1,
         triton_version="3.6.0", tensor_descriptors=True, tma=False, reasons=(weird,)))
-    monkeypatch.setenv("HOPPERKERN_CONFIG", "/tmp/[red]nowhere.json")
+    missing = str(tmp_path / "[red]nowhere.json")
+    monkeypatch.setenv("HOPPERKERN_CONFIG", missing)
     data = info.collect()
     assert data["families"][0] == {"family": "matmul", "tma": "no", "why": [weird],
                                    "last_launch": data["families"][0]["last_launch"]}
     text = _rendered(data)
-    assert weird in text and "GPU [x]" in text and "/tmp/[red]nowhere.json" in text
+    assert weird in text and "GPU [x]" in text and missing in text
 
 
 def test_collect_never_raises(monkeypatch):
