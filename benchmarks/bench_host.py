@@ -36,25 +36,27 @@ LCE_TOKENS = (256, 2048)
 CALLS = 200
 
 
-def host_us(fn, calls=CALLS) -> float:
+def _loop_us(fn, calls: int, *, wait: bool) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls after one warm-up; ``wait``: the clock stops after
+    the GPU finished them (eager time), else as soon as the last call returned (host time)."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    if wait:
+        torch.cuda.synchronize()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / calls * 1e6
 
 
+def host_us(fn, calls=CALLS) -> float:
+    return _loop_us(fn, calls, wait=False)
+
+
 def eager_us(fn, calls=CALLS) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return _loop_us(fn, calls, wait=True)
 
 
 def graph_us(fn, calls=50) -> float:

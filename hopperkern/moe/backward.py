@@ -68,7 +68,7 @@ def backward_configs(config: MoeConfig, dtype, recompute: bool,
         g1 = g1.model_copy(update={"block_n": cap})
     # Shared memory per stage: the gathered dOut tile and one w2 tile per half; recomputing adds the gathered
     # hidden tile and the gate and up tiles of w13. Keep the stages within ~200 KiB with the epilogue buffers.
-    es = torch.empty((), dtype=dtype).element_size()
+    es = dtype.itemsize
     halves = 1 if recompute else 2
     per_stage = ((2 if recompute else 1) * g1.block_m + (3 if recompute else halves) * g1.block_n) * g1.block_k * es
     stages = max(1, min(g1.num_stages, (200 * 1024 - 2 * g1.block_m * g1.block_n * es) // per_stage))

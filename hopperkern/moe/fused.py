@@ -13,24 +13,10 @@ from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, c
 from .._validate import check_same_dtype
 from ..tuning import MoeConfig
 from .gemm import ACTIVATIONS
-from .ops import SAVE_NONE, SAVE_PLAN, SAVE_PRE, config_to_list, moe_forward_impl, moe_forward_op
+from .ops import (SAVE_NONE, SAVE_PLAN, SAVE_PRE, check_expert_ids, config_to_list, moe_forward_impl,
+                  moe_forward_op)
 
 __all__ = ["fused_moe", "check_expert_ids"]
-
-_MAX_LISTED_IDS = 8
-
-
-def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Raise ValueError naming the ids of ``topk_ids`` outside ``[-1, num_experts)``.
-
-    Costs one device->host synchronisation (a boolean reduction read back), i.e. tens of microseconds on a
-    GPU and a break in CUDA-graph capture; skip it with ``fused_moe(..., check_ids=False)``."""
-    bad = (topk_ids < -1) | (topk_ids >= num_experts)
-    if bool(bad.any()):
-        vals = torch.unique(topk_ids[bad]).tolist()
-        listed = ", ".join(str(v) for v in vals[:_MAX_LISTED_IDS]) + (", ..." if len(vals) > _MAX_LISTED_IDS else "")
-        raise ValueError(f"topk_ids must be in [-1, {num_experts}) (-1 drops a slot), got expert ids {listed}")
-
 
 def _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma):
     check_dtype("hidden", hidden, FLOAT_DTYPES)

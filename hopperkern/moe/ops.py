@@ -24,12 +24,25 @@ from .backward import moe_backward
 from .configs import moe_launch_config
 from .gemm import down, gate_up
 
-__all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "config_from_list", "config_to_list", "moe_backward_op",
-           "moe_forward_impl", "moe_forward_op"]
+__all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "check_expert_ids", "config_from_list", "config_to_list",
+           "moe_backward_op", "moe_forward_impl", "moe_forward_op"]
 
 SAVE_NONE, SAVE_PRE, SAVE_PLAN = 0, 1, 2  # save: nothing / plan + pre-activations / plan only (recompute)
 
 _KC_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "flatten")
+_MAX_LISTED_IDS = 8
+
+
+def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError naming the ids of ``topk_ids`` outside ``[-1, num_experts)``.
+
+    Costs one device->host synchronisation (a boolean reduction read back), i.e. tens of microseconds on a
+    GPU and a break in CUDA-graph capture; skip it with ``fused_moe(..., check_ids=False)``."""
+    bad = (topk_ids < -1) | (topk_ids >= num_experts)
+    if bool(bad.any()):
+        vals = torch.unique(topk_ids[bad]).tolist()
+        listed = ", ".join(str(v) for v in vals[:_MAX_LISTED_IDS]) + (", ..." if len(vals) > _MAX_LISTED_IDS else "")
+        raise ValueError(f"topk_ids must be in [-1, {num_experts}) (-1 drops a slot), got expert ids {listed}")
 
 
 def config_to_list(config: MoeConfig | None) -> list[int] | None:
@@ -63,8 +76,6 @@ def moe_forward_impl(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tens
                      save: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out [T, H], pre [rows, 2I], sorted_slots [rows], block_expert [blocks], expert_offsets [E + 1],
     num_blocks [1]); everything after ``out`` is empty unless ``save`` asks for it."""
-    from .fused import check_expert_ids
-
     T, H = hidden.shape
     E, two_i, _ = w13.shape
     I, k = two_i // 2, topk_ids.shape[1]  # noqa: E741
