@@ -54,6 +54,37 @@ def check_local_memory(name: str, t: torch.Tensor) -> None:
             "inside the wrapped module's forward")
 
 
+_VALIDATED: dict = {}  # argument metadata that passed validation once -> True
+_VALIDATED_MAX = 1024
+
+
+def tensor_meta(t):
+    """What the validation of one tensor argument depends on: dtype, shape, device and layout of a plain tensor,
+    ``()`` for None, and None for anything else (a subclass, a DTensor, a non-tensor: validate on every call)."""
+    if t is None:
+        return ()
+    if type(t) not in _PLAIN_TENSORS:
+        return None
+    return t.dtype, t.shape, t.device, t.layout
+
+
+def validate_once(key, validate, *fresh) -> None:
+    """Run ``validate()`` unless arguments with the same metadata ``key`` passed it before (a hashable tuple;
+    a key holding None, from :func:`tensor_meta`, is never remembered). ``fresh`` names (name, tensor) pairs whose
+    memory is checked on every call all the same (:func:`check_local_memory`: a storage freed since, as FSDP does
+    to gathered parameters). Validation is a pure function of the metadata, so a remembered key cannot hide an
+    error; it costs a dict lookup instead of tens of checks on an op's hot path."""
+    if key in _VALIDATED:
+        for name, t in fresh:
+            check_local_memory(name, t)
+        return
+    validate()
+    if None not in key:
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        _VALIDATED[key] = True
+
+
 def check_dtype(name: str, t: torch.Tensor, allowed) -> None:
     check_tensor(name, t)
     if t.dtype not in allowed:

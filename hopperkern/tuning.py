@@ -58,6 +58,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 __all__ = [
     "SCHEMA_VERSION",
+    "device_config",
+    "stamp_fresh",
     "TUNER_COMMAND",
     "KernelConfig",
     "MoeConfig",
@@ -199,6 +201,7 @@ class TuningConfig(BaseModel):
 
     _origin: str = PrivateAttr(default="built-in defaults")
     _why: str = PrivateAttr(default="")
+    _stamp: tuple = PrivateAttr(default=(None, None))  # (file, modification time) it was parsed from
 
     @field_validator("schema_version")
     @classmethod
@@ -327,7 +330,24 @@ def _load_cached(path: str, mtime_ns: int, why: str, named: bool = False) -> Tun
     cfg = _parse_file(Path(path), named)
     cfg._origin = path
     cfg._why = why
+    cfg._stamp = (path, mtime_ns)
     return cfg
+
+
+def stamp_fresh(cfg: TuningConfig) -> bool:
+    """Whether the file ``cfg`` was parsed from still has the modification time it had then (one ``stat``);
+    True for built-in defaults. Cached launch plans check this on every call, so an edited tuning file takes
+    effect on the next call."""
+    path, mtime = cfg._stamp
+    return path is None or _mtime(path) == mtime
+
+
+def device_config(device=None) -> TuningConfig:
+    """:func:`load_config` for the GPU of ``device`` (a torch device, an index, or None for the current GPU):
+    what every launcher uses, so an op on a second GPU takes that GPU's file, not the current one's."""
+    from .tma.capability import capability
+
+    return load_config(capability(device).device_name if device is not None else None)
 
 
 @functools.lru_cache(maxsize=16)

@@ -240,12 +240,12 @@ def expect_path(mode, *, backward=True, hidden=True, weight=True):
     """Assert that the block launched the forward (and backward) with ``mode`` and the expected per-operand
     TMA choice (a fresh decision object per launch proves the launch happened inside the block)."""
     ops = (FWD, BWD) if backward else (FWD,)
-    before = {op: tma.last_decision(op) for op in ops}
+    before = {op: tma.decision_count(op) for op in ops}
     yield
     want = expected_use(mode, hidden=hidden, weight=weight)
     for op in ops:
         d = tma.last_decision(op)
-        assert d is not None and d is not before[op], f"{op} was not launched"
+        assert d is not None and tma.decision_count(op) > before[op], f"{op} was not launched"
         assert (d.mode, dict(d.use)) == (mode, want[op]), d
 
 
@@ -762,7 +762,7 @@ def test_check_labels_names_bad_labels():
 @pytest.mark.parametrize("mode", MODES)
 def test_unchecked_bad_labels_give_nan(mode):
     """check_labels=False: a bad label (V, one inside the padded tail tile, -1) gives NaN for its token's loss,
-    the mean and its log-prob, never a finite number; the other tokens and all entropies stay right."""
+    the mean, its log-prob and entropy, never a finite number; the other tokens stay right."""
     inp = make_inputs(SMALL)
     bad = [3, 5, 7]
     lab = inp.labels.clone()
@@ -778,9 +778,9 @@ def test_unchecked_bad_labels_give_nan(mode):
     assert torch.isnan(lce.linear_cross_entropy(h, w, lab, check_labels=False, tma=mode))
     lp, ent = lce.linear_logprobs_entropy(h, w, lab, check_labels=False, tma=mode)
     want_lp, want_ent = ref.linear_logprobs_entropy(h, w, clean)
-    assert torch.isnan(lp[bad]).all()
+    assert torch.isnan(lp[bad]).all() and torch.isnan(ent[bad]).all()
     assert_close(lp[ok], want_lp[ok], FP32_RTOL, "logprob")
-    assert_close(ent, want_ent, FP32_RTOL, "entropy")
+    assert_close(ent[ok], want_ent[ok], FP32_RTOL, "entropy")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -987,10 +987,10 @@ def test_backward_logprob_errors(grad, change, exc, match):
     """With an upstream grad of the loss or the log-prob (a label term), lce_backward needs the forward's
     contiguous fp32 [N] log-prob: a missing or malformed one raises before anything is allocated or launched."""
     call, lp = _tiny_backward()
-    before = tma.last_decision(BWD)
+    before = tma.decision_count(BWD)
     with pytest.raises(exc, match=re.escape(match)):
         call(**{"g_loss": None, grad: upstream((5,))}, logprob=change(lp))
-    assert tma.last_decision(BWD) is before, "the backward got as far as its memory-path decision"
+    assert tma.decision_count(BWD) == before, "the backward got as far as its memory-path decision"
 
 
 def test_backward_logprob_only_for_label_terms():

@@ -112,12 +112,12 @@ def check_grads(case, x, w13, w2, weights, ids, upstream, got, got_out, activati
 def test_gradients_match_reference(case, mode, recompute, device):
     x, w13, w2, weights, ids, _, up = make_inputs(case, device)
     fn = lambda *a: moe.fused_moe(*a, activation=case.activation, tma=mode, recompute=recompute)  # noqa: E731
-    before = {op: tma.last_decision(op) for op in BWD_OPS}
+    before = {op: tma.decision_count(op) for op in BWD_OPS}
     out, got = grads_of(fn, x, w13, w2, weights, ids, up)
     check_grads(case, x, w13, w2, weights, ids, up, got, out, case.activation)
     for op in BWD_OPS:
         dec = tma.last_decision(op)
-        assert dec is not None and dec is not before[op], f"{op} was not launched"
+        assert dec is not None and tma.decision_count(op) > before[op], f"{op} was not launched"
         assert all(v == (mode == "always") for v in dec.use.values()), dec
     dropped = ids == -1
     assert torch.count_nonzero(got[3][dropped]) == 0, "dropped slots must get exactly zero d_topk_weights"

@@ -172,8 +172,8 @@ def lce_combine_kernel(
     """Merge the S splits into per-token loss, log-prob, entropy and LSE. Grid (cdiv(N, BLOCK),).
 
     loss = lse - (1-eps) z_label - eps/V sum(z) + z_loss lse^2 on kept tokens (0 on ignored ones);
-    logprob = z_label - lse on kept tokens; entropy = lse - E_p[z] on all tokens. A label outside [0, V)
-    that is not ignore_index gives NaN (reached only when the caller skipped the label check).
+    logprob = z_label - lse on kept tokens; entropy = lse - E_p[z] on all tokens (0 without NEED_T). A label
+    outside [0, V) that is not ignore_index makes all four NaN for its token.
     """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -204,12 +204,16 @@ def lce_combine_kernel(
     if NEED_SUMZ:
         loss -= label_smoothing / V * sz_tot
     loss = tl.where(kept, loss, 0.0)
+    # A bad label poisons every output of its token, the LSE included, so a backward that reads it makes the
+    # token's gradients NaN too (never a finite, plausible-looking wrong number).
     nan = float("nan")
     tl.store(loss_ptr + rows, tl.where(bad, nan, loss), mask=ok)
     tl.store(logprob_ptr + rows, tl.where(bad, nan, lp), mask=ok)
-    tl.store(lse_ptr + rows, lse, mask=ok)
+    tl.store(lse_ptr + rows, tl.where(bad, nan, lse), mask=ok)
     if NEED_T:
-        tl.store(entropy_ptr + rows, lse - t_tot / s_safe, mask=ok)
+        tl.store(entropy_ptr + rows, tl.where(bad, nan, lse - t_tot / s_safe), mask=ok)
+    else:
+        tl.store(entropy_ptr + rows, tl.zeros((BLOCK,), tl.float32), mask=ok)
 
 
 @triton.jit

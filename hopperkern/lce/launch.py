@@ -33,6 +33,7 @@ from .._validate import (
     check_same_dtype,
     dot_precision,
 )
+from ..tma.launcher import Launch, PlanCache, env_key
 from ..tuning import KernelConfig
 from ._kernels import (
     lce_combine_kernel,
@@ -136,11 +137,12 @@ def _default_config(dtype) -> KernelConfig:
     return KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=True)
 
 
-def pick_config(phase: str, dtype, N: int, H: int) -> KernelConfig:
-    """Launch config for ``phase`` ("forward"/"backward"): the GPU's tuning file, else built-in defaults."""
+def pick_config(phase: str, dtype, N: int, H: int, device=None) -> KernelConfig:
+    """Launch config for ``phase`` ("forward"/"backward") on ``device`` (the inputs' GPU; None = the current
+    one): that GPU's tuning file, else built-in defaults."""
     if _tma.interpreter_active():
         return _interp_config()
-    cfg = _tuning.load_config().lce_config(phase, dtype, N, H)
+    cfg = _tuning.device_config(device).lce_config(phase, dtype, N, H)
     return cfg if cfg is not None else _default_config(dtype)
 
 
@@ -170,13 +172,101 @@ def _sm_count(device) -> int:
     return cap.sm_count
 
 
+class _ForwardPlan:
+    """What :func:`lce_forward` decides once per problem (see :mod:`hopperkern.tma.launcher`): config, TMA
+    decision, vocab splits, and the three launches (label logit when not picked, forward, combine)."""
+
+    __slots__ = ("tuning", "decision", "S", "n_stats", "need_t", "need_sumz", "label", "forward", "combine", "device",
+                 "interpreted")
+
+    def fresh(self) -> bool:
+        return self.tuning is None or _tuning.stamp_fresh(self.tuning)
+
+
+_FORWARD_PLANS = PlanCache("lce.forward")
+
+
+def _forward_key(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool):
+    return (hidden2d.device, hidden2d.dtype, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(),
+            labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, env_key())
+
+
+def _stats(plan: _ForwardPlan, N: int, dev):
+    """The forward's per-split statistics (m, s, t, sumz, zl): one allocation, [n_stats, S, N] fp32."""
+    S = plan.S
+    buf = torch.empty((plan.n_stats, S, N), dtype=torch.float32, device=dev).unbind(0)
+    m, s = buf[0], buf[1]
+    i = 2
+    t = buf[i] if plan.need_t else m
+    i += plan.need_t
+    sumz = buf[i] if plan.need_sumz else m
+    i += plan.need_sumz
+    zl = buf[i] if plan.label is None else buf[i][:1]
+    return m, s, t, sumz, zl
+
+
+def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool,
+                        config: KernelConfig | None) -> _ForwardPlan:
+    N = hidden2d.shape[0]
+    V, H = weight.shape
+    dev = hidden2d.device
+    plan = _ForwardPlan()
+    plan.tuning = None if config is not None or _tma.interpreter_active() else _tuning.device_config(dev)
+    cfg = config or pick_config("forward", hidden2d.dtype, N, H, dev)
+    d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
+                               "weight": (weight, (cfg.block_n, cfg.block_k))}, op="lce.forward")
+    plan.decision = d
+    S, tps = forward_plan(N, V, cfg, _sm_count(dev))
+    plan.S = S
+    need_sumz = opts.label_smoothing > 0
+    plan.n_stats = 3 + need_entropy + need_sumz
+    plan.need_t, plan.need_sumz = need_entropy, need_sumz
+    plan.device = hidden2d.get_device()
+    plan.interpreted = _tma.interpreter_active()
+    f32 = dict(dtype=torch.float32, device=dev)
+    one = torch.empty((1, N), **f32)  # stands for every [S, N] / [N] buffer: Launch keeps only dtypes
+    has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
+    b_arg = bias if has_bias else weight
+    plan.label = None if pick_label else Launch(
+        lce_label_logit_kernel, (cdiv(N, _ROW_BLOCK),),
+        hidden2d, weight, b_arg, labels1d, one, N, V, H, hidden2d.stride(0), hidden2d.stride(1),
+        weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
+        BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
+    )
+    plan.forward = Launch(
+        lce_forward_kernel, (cdiv(N, cfg.block_m) * S,),
+        hidden2d, weight, b_arg, labels1d, one, one, one, one, one,
+        N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
+        softcap, opts.inv_temp,
+        BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
+        HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
+        FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
+        PICK_LABEL=pick_label, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    plan.combine = _combine_launch(S, N, S if pick_label else 1, labels1d, V, opts, need_entropy, need_sumz, one)
+    return plan
+
+
+def forward_plan_for(hidden2d, weight, labels1d, bias, opts: LceOptions, *, need_entropy: bool = True,
+                     pick_label: bool = True) -> _ForwardPlan:
+    """The cached launch plan of :func:`lce_forward` for these inputs (built on a miss, or when the tuning file
+    it came from changed)."""
+    key = _forward_key(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label)
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None or not plan.fresh():
+        plan = _FORWARD_PLANS.put(key, _build_forward_plan(hidden2d, weight, labels1d, bias, opts, need_entropy,
+                                                           pick_label, None))
+    return plan
+
+
 def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
                 *, need_entropy: bool = True, config: KernelConfig | None = None, pick_label: bool = True,
                 stats_only: bool = False):
     """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N].
 
     loss includes label smoothing and z-loss (0 at ignored tokens); logprob is 0 at ignored tokens; entropy
-    is computed for every token (zeros when ``need_entropy`` is False). Inputs must be validated already.
+    is computed for every token (zeros when ``need_entropy`` is False). A kept label outside [0, V) makes all
+    four NaN for its token (and so its gradients, which read the LSE). Inputs must be validated already.
     Extra memory: 5 fp32 [S, N] statistics, S chosen within 8 MiB.
 
     ``pick_label`` (for a forward that a backward will follow): the label's logit comes from the same tiles as
@@ -187,50 +277,45 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     ``stats_only`` (N >= 1; the vocab-parallel path, :mod:`.distributed`, merges them across ranks): return the
     per-split statistics ``(m, s, t, sumz, zl)`` instead, each fp32 [S, N] (zl [1, N] without ``pick_label``),
     as :func:`combine_stats` takes them; t (sumz) is ``m`` itself when entropy (label smoothing) is not asked for.
+
+    The config, TMA decision and launches come from a cached plan (:func:`forward_plan_for`) unless ``config``
+    is given.
     """
-    _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     N = hidden2d.shape[0]
-    V, H = weight.shape
     dev = hidden2d.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    # The combine kernel writes every row of loss, logprob and lse (and entropy when asked for): no fills.
-    loss, logprob, lse = (torch.empty(N, **f32) for _ in range(3))
-    entropy = torch.empty(N, **f32) if need_entropy else torch.zeros(N, **f32)
     if N == 0:
-        return loss, logprob, entropy, lse
-    cfg = config or pick_config("forward", hidden2d.dtype, N, H)
-    d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
-                               "weight": (weight, (cfg.block_n, cfg.block_k))}, op="lce.forward")
-    S, tps = forward_plan(N, V, cfg, _sm_count(dev))
-    need_sumz = opts.label_smoothing > 0
-    m = torch.empty((S, N), **f32)
-    s = torch.empty((S, N), **f32)
-    t = torch.empty((S, N), **f32) if need_entropy else m
-    sumz = torch.empty((S, N), **f32) if need_sumz else m
-    zl = torch.empty((S if pick_label else 1, N), **f32)
-    has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
-    b_arg = bias if has_bias else weight
-    if not pick_label:
-        lce_label_logit_kernel[(cdiv(N, _ROW_BLOCK),)](
-            hidden2d, weight, b_arg, labels1d, zl, N, V, H, hidden2d.stride(0), hidden2d.stride(1),
-            weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
-            BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
-        )
-    grid = (cdiv(N, cfg.block_m) * S,)
-    lce_forward_kernel[grid](
-        hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl,
-        N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
-        softcap, opts.inv_temp,
-        BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
-        HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
-        FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
-        PICK_LABEL=pick_label, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        _tma.check_interpreter(hidden2d.dtype, "lce.forward")
+        f32 = dict(dtype=torch.float32, device=dev)
+        return tuple(torch.zeros(0, **f32) for _ in range(4))
+    if config is None:
+        plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy,
+                                pick_label=pick_label)
+    else:
+        plan = _build_forward_plan(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label, config)
+    if plan.interpreted:
+        _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
+    _tma.record_decision(plan.decision)
+    m, s, t, sumz, zl = _stats(plan, N, dev)
+    b_arg = bias if bias is not None else weight
+    if plan.label is not None:
+        plan.label(hidden2d, weight, b_arg, labels1d, zl)
+    plan.forward(hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl)
     if stats_only:
         return m, s, t, sumz, zl
-    combine_stats(m, s, t, sumz, zl, labels1d, V, opts, (loss, logprob, entropy, lse), need_entropy=need_entropy,
-                  need_sumz=need_sumz)
-    return loss, logprob, entropy, lse
+    # The combine kernel writes every row of all four outputs (entropy 0 without need_entropy): no fills.
+    out = tuple(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
+    plan.combine(m, s, t, sumz, zl, labels1d, *out)
+    return out
+
+
+def _combine_launch(S: int, N: int, S_zl: int, labels1d, V: int, opts: LceOptions, need_entropy: bool,
+                    need_sumz: bool, f32_like) -> Launch:
+    return Launch(
+        lce_combine_kernel, (cdiv(N, _COMBINE_BLOCK),),
+        f32_like, f32_like, f32_like, f32_like, f32_like, labels1d, f32_like, f32_like, f32_like, f32_like,
+        N, V, S, S_zl, opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
+        BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz,
+    )
 
 
 def combine_stats(m, s, t, sumz, zl, labels1d, V: int, opts: LceOptions, out, *, need_entropy: bool,
@@ -243,12 +328,8 @@ def combine_stats(m, s, t, sumz, zl, labels1d, V: int, opts: LceOptions, out, *,
     (:mod:`.distributed`) calls it with S = 1 on statistics already summed across ranks.
     """
     S, N = m.shape
-    loss, logprob, entropy, lse = out
-    lce_combine_kernel[(cdiv(N, _COMBINE_BLOCK),)](
-        m, s, t, sumz, zl, labels1d, loss, logprob, entropy, lse,
-        N, V, S, zl.shape[0], opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
-        BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz,
-    )
+    _combine_launch(S, N, zl.shape[0], labels1d, V, opts, need_entropy, need_sumz, m)(
+        m, s, t, sumz, zl, labels1d, *out)
 
 
 def _slice_cols(N: int, V: int, block_v: int, elem: int) -> int:
@@ -257,11 +338,15 @@ def _slice_cols(N: int, V: int, block_v: int, elem: int) -> int:
     return min(cols, cdiv(V, block_v) * block_v)
 
 
-def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b with fp32 accumulation and no low-precision partial sum."""
+def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype_mm: bool | None = None) -> None:
+    """acc (fp32) += a @ b with fp32 accumulation and no low-precision partial sum. ``out_dtype_mm``: whether
+    cuBLAS takes ``out_dtype=torch.float32`` here (:func:`hopperkern.tma.torch_mm_out_dtype`; asked when None)."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif acc.is_cuda and _tma.torch_mm_out_dtype(acc.device, a.dtype):
+        return
+    if out_dtype_mm is None:
+        out_dtype_mm = acc.is_cuda and _tma.torch_mm_out_dtype(acc.device, a.dtype)
+    if out_dtype_mm:
         # cuBLAS: bf16/fp16 inputs, fp32 accumulate and fp32 C, beta = 1.
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
@@ -310,10 +395,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     ``ignore_index`` meaning "held by another shard" (its token keeps every term but the label column's C), and
     ``fp32_hidden_grad`` returns d_hidden as the fp32 sum itself, to be summed across ranks before one rounding.
     """
-    _tma.check_interpreter(hidden2d.dtype, "lce.backward")  # no launch the interpreter gets wrong
     N, H = hidden2d.shape
     V = weight.shape[0]
-    V_total = V if vocab_total is None else int(vocab_total)
     dev, dt = hidden2d.device, hidden2d.dtype
     label_term = g_loss is not None or g_logprob is not None
     if label_term:
@@ -322,53 +405,102 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
         warnings.warn("lce_backward: zlab is deprecated and ignored (the label's logit is logprob + lse)",
                       DeprecationWarning, stacklevel=2)
     if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
+        _tma.check_interpreter(dt, "lce.backward")
         d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
         d_w = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
         return d_h, d_w, torch.zeros_like(bias) if bias is not None else None
+    flags = (g_loss is not None, g_logprob is not None, g_entropy is not None, g_lse is not None)
+    V_total = V if vocab_total is None else int(vocab_total)
+    if config is None:
+        key = (hidden2d.device, dt, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(), labels1d.dtype,
+               None if bias is None else bias.dtype, opts, flags, V_total, env_key())
+        plan = _BACKWARD_PLANS.get(key)
+        if plan is None or not plan.fresh():
+            plan = _BACKWARD_PLANS.put(key, _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts, flags,
+                                                                 V_total, None))
+    else:
+        plan = _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts, flags, V_total, config)
+    if plan.interpreted:
+        _tma.check_interpreter(dt, "lce.backward")  # no launch the interpreter gets wrong
+    _tma.record_decision(plan.decision)
     # Every vocab slice of d_weight and d_bias is written once below: no memset of the [V, H] gradient.
     d_w = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
     d_b = torch.empty(V, dtype=torch.float32, device=dev) if bias is not None else None
-    cfg = config or pick_config("backward", dt, N, H)
-    vs = _slice_cols(N, V, cfg.block_n, hidden2d.element_size())
-    ld = cdiv(vs, 64) * 64  # row pitch of the slice buffer: 128-byte aligned rows for TMA stores
-    dbuf = torch.empty((N, ld), dtype=dt, device=dev)
-    d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
-                               "weight": (weight, (cfg.block_n, cfg.block_k)),
-                               "dlogits": (dbuf, (cfg.block_m, cfg.block_n))}, op="lce.backward")
+    dbuf = torch.empty((N, plan.ld), dtype=dt, device=dev)
     acc_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
     grads = [g if g is not None else lse for g in (g_loss, g_logprob, g_entropy, g_lse)]
-    flags = dict(HAS_GL=g_loss is not None, HAS_GP=g_logprob is not None, HAS_GE=g_entropy is not None,
-                 HAS_GZ=g_lse is not None)
-    scal = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
-            opts.inv_temp)
     b_arg = bias if bias is not None else weight
-    sms = _sm_count(dev)
-    for col_begin in range(0, V, vs):
-        ncols = min(vs, V - col_begin)
-        num_tiles = cdiv(N, cfg.block_m) * cdiv(ncols, cfg.block_n)
-        progs = min(num_tiles, sms)
-        lce_dlogits_kernel[(progs,)](
-            hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf, N, V, V_total, H, col_begin, ncols,
-            hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
-            BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
-            HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), **flags, NUM_PROGRAMS=progs, FLATTEN=cfg.flatten,
-            H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=dot_precision(dt),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    for col_begin, ncols, dlogits, onehot in plan.slices:
+        dlogits(hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf)
         if label_term:
             # Overwrites the label entries just written (same stream): p (A + B z) + C + D from the forward's
             # fp32 log-prob, rounded once. Without g_loss and g_logprob, C = 0 and the tile's entry is final.
-            lce_onehot_kernel[(cdiv(N, _COMBINE_BLOCK),)](
-                labels1d, lse, entropy, *grads, logprob, dbuf, N, V_total, col_begin, ncols,
-                dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=bool(opts.softcap), **flags,
-            )
+            onehot(labels1d, lse, entropy, *grads, logprob, dbuf)
         dl = dbuf[:, :ncols]
         if need_weight_grad:
             # One GEMM over all N tokens: fp32 accumulation inside cuBLAS, written once in the weight dtype.
             torch.mm(dl.t(), hidden2d, out=d_w[col_begin:col_begin + ncols])
         if need_hidden_grad:
-            _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols])
+            _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols], plan.mm_out_dtype)
         if d_b is not None:
             d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)
     d_h = (acc_h if fp32_hidden_grad else acc_h.to(dt)) if need_hidden_grad else None
     return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
+
+
+class _BackwardPlan:
+    """What :func:`lce_backward` decides once per problem: config, TMA decision, the d(logits) slice buffer's
+    pitch, and per vocab slice its two launches."""
+
+    __slots__ = ("tuning", "decision", "ld", "slices", "mm_out_dtype", "interpreted")
+
+    def fresh(self) -> bool:
+        return self.tuning is None or _tuning.stamp_fresh(self.tuning)
+
+
+_BACKWARD_PLANS = PlanCache("lce.backward")
+
+
+def _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts: LceOptions, flags, V_total: int,
+                         config: KernelConfig | None) -> _BackwardPlan:
+    N, H = hidden2d.shape
+    V = weight.shape[0]
+    dev, dt = hidden2d.device, hidden2d.dtype
+    plan = _BackwardPlan()
+    plan.interpreted = _tma.interpreter_active()
+    plan.tuning = None if config is not None or plan.interpreted else _tuning.device_config(dev)
+    cfg = config or pick_config("backward", dt, N, H, dev)
+    vs = _slice_cols(N, V, cfg.block_n, hidden2d.element_size())
+    plan.ld = cdiv(vs, 64) * 64  # row pitch of the slice buffer: 128-byte aligned rows for TMA stores
+    dbuf = torch.empty((N, plan.ld), dtype=dt, device=dev)
+    d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
+                               "weight": (weight, (cfg.block_n, cfg.block_k)),
+                               "dlogits": (dbuf, (cfg.block_m, cfg.block_n))}, op="lce.backward")
+    plan.decision = d
+    plan.mm_out_dtype = dt != torch.float32 and hidden2d.is_cuda and _tma.torch_mm_out_dtype(dev, dt)
+    has = dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), flags))
+    scal = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+            opts.inv_temp)
+    b_arg = bias if bias is not None else weight
+    sms = _sm_count(dev)
+    plan.slices = []
+    for col_begin in range(0, V, vs):
+        ncols = min(vs, V - col_begin)
+        num_tiles = cdiv(N, cfg.block_m) * cdiv(ncols, cfg.block_n)
+        progs = min(num_tiles, sms)
+        dlogits = Launch(
+            lce_dlogits_kernel, (progs,),
+            hidden2d, weight, b_arg, labels1d, lse, lse, lse, lse, lse, lse, dbuf, N, V, V_total, H, col_begin,
+            ncols, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
+            BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
+            HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), **has, NUM_PROGRAMS=progs, FLATTEN=cfg.flatten,
+            H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=dot_precision(dt),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        onehot = Launch(
+            lce_onehot_kernel, (cdiv(N, _COMBINE_BLOCK),),
+            labels1d, lse, lse, lse, lse, lse, lse, lse, dbuf, N, V_total, col_begin, ncols,
+            dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=bool(opts.softcap), **has,
+        )
+        plan.slices.append((col_begin, ncols, dlogits, onehot))
+    return plan

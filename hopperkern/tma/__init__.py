@@ -18,13 +18,16 @@ from .capability import (
     normalize_device_name,
     torch_mm_out_dtype,
 )
+from .launcher import clear_plans
 from .descriptors import (
     TMA_MODES,
     TmaDecision,
     decide,
+    decision_count,
     ensure_allocator,
     last_decision,
     make_descriptor,
+    record_decision,
     resolve_mode,
     tma_not_supported_reasons,
 )
@@ -35,8 +38,10 @@ __all__ = [
     "TmaDecision",
     "UnsupportedError",
     "capability",
+    "clear_plans",
     "check_interpreter",
     "decide",
+    "decision_count",
     "ensure_allocator",
     "interpreter_active",
     "interpreter_dtype_problems",
@@ -44,6 +49,7 @@ __all__ = [
     "last_decision",
     "launch_context",
     "make_descriptor",
+    "record_decision",
     "normalize_device_name",
     "resolve_mode",
     "tma_not_supported_reasons",

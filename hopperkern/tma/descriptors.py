@@ -18,10 +18,12 @@ __all__ = [
     "TMA_MODES",
     "TmaDecision",
     "decide",
+    "decision_count",
     "ensure_allocator",
     "last_decision",
     "make_descriptor",
     "resolve_mode",
+    "record_decision",
     "tma_not_supported_reasons",
 ]
 
@@ -125,6 +127,7 @@ class TmaDecision:
 
 
 _LAST: dict[str, TmaDecision] = {}
+_COUNT: dict[str, int] = {}  # op -> launches recorded (fresh decisions and cached plans' alike)
 
 
 def decide(mode: str, operands: Mapping[str, tuple[object, Sequence[int]]], *, op: str) -> TmaDecision:
@@ -144,8 +147,20 @@ def decide(mode: str, operands: Mapping[str, tuple[object, Sequence[int]]], *, o
         d = TmaDecision(op, m, {k: not rs for k, rs in why.items()}, why)
     if any(d.use.values()):
         ensure_allocator()
-    _LAST[op] = d
+    record_decision(d)
     return d
+
+
+def record_decision(d: TmaDecision) -> None:
+    """Make ``d`` (a cached plan's decision, reused for this launch) what :func:`last_decision` reports, and count
+    the launch (:func:`decision_count`)."""
+    _LAST[d.op] = d
+    _COUNT[d.op] = _COUNT.get(d.op, 0) + 1
+
+
+def decision_count(op: str) -> int:
+    """How many launches of ``op`` recorded a TMA decision in this process (a fresh one, or a cached plan's)."""
+    return _COUNT.get(op, 0)
 
 
 def last_decision(op: str) -> TmaDecision | None:
