@@ -223,7 +223,7 @@ def _one(case: TpCase, data, group, split, rank_in_group, other_group):
         group = other_group
     weight = data["weight"][rows]
     impl = torch.compile(case.functions[0], backend="eager") if case.compiled else case.functions[0]
-    before, picks, real = tma.last_decision(T.FWD), [], distributed.lce_forward
+    before, picks, real = tma.decision_count(T.FWD), [], distributed.lce_forward
     distributed.lce_forward = lambda *a, **k: picks.append(k["pick_label"]) or real(*a, **k)
     if case.skew == "rank0_fails" and rank_in_group == 0:
         def refused(*a, **k):
@@ -240,7 +240,7 @@ def _one(case: TpCase, data, group, split, rank_in_group, other_group):
     finally:
         distributed.lce_forward = real
     d = tma.last_decision(T.FWD)
-    path = None if d is before else (d.mode, dict(d.use))
+    path = None if tma.decision_count(T.FWD) == before else (d.mode, dict(d.use))
     return dict(error=None, outs=outs, grads=grads, path=path, picks=picks)
 
 

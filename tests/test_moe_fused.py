@@ -120,14 +120,32 @@ def test_dropped_slots_and_tokens(device):
         assert torch.count_nonzero(out[2]) == 0
 
 
-def test_unchecked_invalid_ids_are_dropped(device):
-    x, w13, w2, weights, ids = make_inputs(6, 4, 64, 32, 2, torch.float32, device, seed=7, drop=0.0)
+@pytest.mark.parametrize("T, deterministic, grad", [(1, True, False), (6, True, False), (6, False, False),
+                                                    (6, True, True), (6, False, True)])
+def test_unchecked_invalid_ids_poison_their_tokens(device, T, deterministic, grad):
+    """check_ids=False: an id outside [-1, E) (9 of 4 experts, -3) makes its token's output row NaN on every path
+    (direct plan with the fused top-k sum, sorted deterministic, sorted atomic; inference and training), and
+    its d_hidden and d_topk_weights rows NaN too; every other token stays right (never a finite, plausible row
+    that lacks an expert's contribution)."""
+    x, w13, w2, weights, ids = make_inputs(T, 4, 64, 32, 2, torch.float32, device, seed=7, drop=0.0)
+    bad_tokens = [0] if T == 1 else [1, 4]
     bad = ids.clone()
-    bad[1, 0] = 9
-    out = moe.fused_moe(x, w13, w2, weights, bad, tma="never", check_ids=False)
-    dropped = ids.clone()
-    dropped[1, 0] = -1
-    check_against_reference(out, (x, w13, w2, weights, dropped))
+    bad[bad_tokens[0], 0] = 9
+    if T > 1:
+        bad[bad_tokens[1], 1] = -3
+    args = [t.clone().requires_grad_(grad and t.is_floating_point()) for t in (x, w13, w2, weights)]
+    out = moe.fused_moe(*args, bad, tma="never", check_ids=False, deterministic=deterministic)
+    ok = torch.ones(T, dtype=torch.bool)
+    ok[bad_tokens] = False
+    assert torch.isnan(out[bad_tokens]).all()
+    if T > 1:
+        ref = reference.fused_moe(*[t.detach().cpu() for t in (x, w13, w2, weights)], ids.cpu())
+        err = (out.detach().cpu().double()[ok] - ref[ok]).abs().max() / ref.abs().max()
+        assert err < 1e-5, f"good tokens: relative error {err:.3g}"
+    if grad:
+        out.backward(torch.ones_like(out))
+        assert torch.isnan(args[0].grad[bad_tokens]).all() and torch.isfinite(args[0].grad[ok]).all()
+        assert torch.isnan(args[3].grad[bad_tokens[0], 0])
 
 
 def test_noncontiguous_inputs_by_strides(device):
@@ -293,9 +311,9 @@ def test_zero_size_problems_with_tma_always(via_env, device, monkeypatch):
 @pytest.mark.parametrize("mode", ["never", "always"])
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("T", [6, 1], ids=["sorted-plan", "direct-plan"])
-def test_unchecked_int64_ids_beyond_int32_are_dropped(T, deterministic, mode, device):
-    """check_ids=False with int64 ids: 2**32 + 1 must be dropped like any out-of-range id, not narrowed to
-    expert 1 first (sorted plan: alignment kernels; direct plan: the GEMMs read the ids themselves)."""
+def test_unchecked_int64_ids_beyond_int32_poison(T, deterministic, mode, device):
+    """check_ids=False with int64 ids: 2**32 + 1 must poison its token like any out-of-range id, not be narrowed
+    to expert 1 first (sorted plan: alignment kernels; direct plan: the GEMMs read the ids themselves)."""
     x, w13, w2, weights, ids = make_inputs(T, 4, 64, 32, 2, torch.float32, device, seed=13, drop=0.0)
     ids = ids.long()
     ids[0, 0] = 1 if ids[0, 1] != 1 else 2  # the narrowed id would name a real expert of this token
@@ -303,7 +321,9 @@ def test_unchecked_int64_ids_beyond_int32_are_dropped(T, deterministic, mode, de
     bad[0, 0] = 2**32 + 1 if ids[0, 0] == 1 else 2**32 + 2
     dropped[0, 0] = -1
     out = moe.fused_moe(x, w13, w2, weights, bad, tma=mode, check_ids=False, deterministic=deterministic)
-    check_against_reference(out, (x, w13, w2, weights, dropped))
+    assert torch.isnan(out[0]).all()
+    if T > 1:
+        check_against_reference(out[1:], (x[1:], w13, w2, weights[1:], dropped[1:]))
     with pytest.raises(ValueError, match=r"got expert ids 429496729[78]"):
         moe.fused_moe(x, w13, w2, weights, bad, tma=mode)
 

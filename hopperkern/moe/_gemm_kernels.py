@@ -233,6 +233,7 @@ def _down_direct_kernel(
         t64 = t.to(tl.int64)
         ids = tl.load(ids_ptr + t64 * top_k + lanes, mask=lanes < top_k, other=-1)
         ok = (ids >= 0) & (ids < E)  # in the ids' dtype, before narrowing
+        bad = tl.sum(((ids < -1) | (ids >= E)).to(tl.int32))  # an id outside [-1, E): the token's row is NaN
         ids = tl.where(ok, ids, 0).to(tl.int32)
         wts = tl.load(tw_ptr + t64 * stride_twt + lanes * stride_twk, mask=ok, other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -251,6 +252,7 @@ def _down_direct_kernel(
             total = tl.where(last, total + acc * wj, total)
             acc = tl.where(last, 0.0, acc)
         cols = n0 + tl.arange(0, BLOCK_N)
+        total = tl.where((rows[:, None] * 0 + bad) > 0, float("nan"), total)
         ptrs = out_ptr + t64 * stride_ot + rows[:, None] * 0 + cols[None, :] * stride_oh
         tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] == 0) & (cols[None, :] < H))
 
@@ -261,19 +263,23 @@ def _topk_sum_kernel(
     ids_ptr,          # [T*top_k] int32/int64 flattened topk_ids
     out_ptr,          # [T, H] out
     E, H, stride_s, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, FILL: tl.constexpr = False,
 ):
-    """out[t] = sum_j src[t*k + j] in fp32, j = 0..k-1 in order (deterministic); slots whose id is outside
-    [0, E) (-1: dropped) add nothing. Grid (T, cdiv(H, BLOCK_H))."""
+    """out[t] = sum_j src[t*k + j] in fp32, j = 0..k-1 in order (deterministic); slots whose id is -1 (dropped)
+    add nothing, and a token with an id outside [-1, E) gets NaN (never a plausible sum that lacks an expert).
+    FILL: src is not read; out[t] = 0, or NaN for such a token (the zero fill the atomic top-k sum adds into).
+    Grid (T, cdiv(H, BLOCK_H))."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in range(0, TOP_K):
         s = t.to(tl.int64) * TOP_K + j
         e = tl.load(ids_ptr + s)
-        # A dropped slot reads no column: one compare against a per-slot column limit. (Not `(cols < H) & ok`:
-        # triton >= 3.9's interpreter rejects that mask, as it widens the scalar `ok` to int32 when broadcasting.)
-        limit = tl.where((e >= 0) & (e < E), H, 0)
-        acc += tl.load(src_ptr + s * stride_s + cols, mask=cols < limit, other=0.0).to(tl.float32)
+        # Masks compare cols against per-slot column limits. (Not `(cols < H) & ok`: triton >= 3.9's interpreter
+        # rejects that mask, as it widens the scalar `ok` to int32 when broadcasting.)
+        if not FILL:
+            limit = tl.where((e >= 0) & (e < E), H, 0)  # a dropped slot reads no column
+            acc += tl.load(src_ptr + s * stride_s + cols, mask=cols < limit, other=0.0).to(tl.float32)
+        acc = tl.where(cols < tl.where((e < -1) | (e >= E), H, 0), float("nan"), acc)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty),
              mask=cols < H)

@@ -32,6 +32,7 @@ import torch
 
 from .._host import cdiv, next_power_of_2
 from ..tma import interpreter_active, launch_context
+from ..tma.launcher import Launch, run_steps
 from ._align_kernels import (
     _align_blocks_kernel,
     _align_count_kernel,
@@ -40,7 +41,8 @@ from ._align_kernels import (
     _align_small_kernel,
 )
 
-__all__ = ["AlignPlan", "direct_plan", "max_blocks_for", "moe_align", "prefer_direct"]
+__all__ = ["AlignPlan", "align_steps", "direct_plan", "max_blocks_for", "moe_align", "plan_tensors", "prefer_direct",
+           "scratch_shapes", "scratch_tensors"]
 
 _SMALL_MAX_SLOTS = 1024  # up to this many slots, one program builds the whole plan (one launch)
 _CHUNK = 1024            # slots per program of the multi-program path
@@ -149,34 +151,55 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
         plan.num_blocks.zero_()
         return plan
     with launch_context(topk_ids, "moe.moe_align"):
-        _launch(topk_ids.reshape(-1), plan, num_slots, E, block_m, max_blocks)  # reshape copies only strided ids
+        ids = topk_ids.reshape(-1)  # copies only strided ids
+        env = dict(ids=ids, **plan_tensors(plan), **scratch_tensors(num_slots, E, dev))
+        run_steps(align_steps(env, num_slots, E, block_m, max_blocks), env)
     return plan
 
 
-def _launch(ids: torch.Tensor, plan: AlignPlan, num_slots: int, E: int, block_m: int, max_blocks: int) -> None:
-    """The alignment launches of :func:`moe_align` (one when the slots fit one chunk, four otherwise)."""
-    i32 = dict(dtype=torch.int32, device=ids.device)
+def plan_tensors(plan: AlignPlan) -> dict:
+    """The plan's device tensors by the names :func:`align_steps` uses."""
+    return dict(sorted_slots=plan.sorted_slots, block_expert=plan.block_expert, expert_offsets=plan.expert_offsets,
+                expert_counts=plan.expert_counts, num_blocks=plan.num_blocks)
+
+
+def scratch_shapes(num_slots: int, E: int) -> dict:
+    """Shapes of the multi-program alignment's scratch tensors (none up to ``_SMALL_MAX_SLOTS`` slots)."""
+    if num_slots <= _SMALL_MAX_SLOTS:
+        return {}
+    shape = (cdiv(num_slots, _CHUNK), _pow2_at_least(E + 1, 32))
+    return dict(chunk_counts=shape, base=shape)
+
+
+def scratch_tensors(num_slots: int, E: int, device) -> dict:
+    return {k: torch.empty(v, dtype=torch.int32, device=device) for k, v in scratch_shapes(num_slots, E).items()}
+
+
+def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int) -> list:
+    """The alignment launches of :func:`moe_align` as ``(Launch, tensor names)`` steps over ``env`` (ids,
+    :func:`plan_tensors`, :func:`scratch_shapes`' tensors): one when the slots fit one chunk, four otherwise."""
     e_p = _pow2_at_least(E + 1, 32)  # histogram bins: one per expert plus the "dropped" bin E; >= warp size
     sub = _scatter_step(e_p)
+
+    def step(kernel, grid, names, *scalars, **kw):
+        return Launch(kernel, grid, *[env[n] for n in names], *scalars, **kw), names
+
     if num_slots <= _SMALL_MAX_SLOTS:
         # >= 128 = 4 warps x 32 lanes, so no warp holds a replica of another's slots in the histogram input.
         chunk = _pow2_at_least(num_slots, 128)
-        _align_small_kernel[(1,)](
-            ids, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.expert_counts, plan.num_blocks,
-            num_slots, E, max_blocks,
-            BLOCK_M=block_m, CHUNK=chunk, SUB=min(sub, chunk), E_P=e_p, BLOCK_B=_BLOCK_B, num_warps=4,
-        )
-        return
+        return [step(_align_small_kernel, (1,), ("ids", "sorted_slots", "block_expert", "expert_offsets",
+                                                 "expert_counts", "num_blocks"),
+                     num_slots, E, max_blocks,
+                     BLOCK_M=block_m, CHUNK=chunk, SUB=min(sub, chunk), E_P=e_p, BLOCK_B=_BLOCK_B, num_warps=4)]
     num_chunks = cdiv(num_slots, _CHUNK)
-    chunk_counts = torch.empty((num_chunks, e_p), **i32)
-    base = torch.empty((num_chunks, e_p), **i32)
-    _align_count_kernel[(num_chunks,)](ids, chunk_counts, num_slots, E, CHUNK=_CHUNK, E_P=e_p, num_warps=4)
-    _align_scan_kernel[(1,)](chunk_counts, base, plan.expert_offsets, plan.expert_counts, plan.num_blocks,
-                             num_chunks, E, BLOCK_M=block_m, E_P=e_p, BLOCK_C=max(1, _TILE_ELEMS // e_p),
-                             num_warps=8)
-    _align_scatter_kernel[(num_chunks,)](ids, base, plan.sorted_slots, num_slots, E, CHUNK=_CHUNK, SUB=sub,
-                                         E_P=e_p, num_warps=4)
-    _align_blocks_kernel[(cdiv(max_blocks, _BLOCK_B),)](
-        plan.expert_offsets, plan.expert_counts, plan.block_expert, plan.sorted_slots, max_blocks, num_slots, E,
-        BLOCK_M=block_m, BLOCK_B=_BLOCK_B, E_P=e_p, num_warps=4,
-    )
+    return [
+        step(_align_count_kernel, (num_chunks,), ("ids", "chunk_counts"), num_slots, E, CHUNK=_CHUNK, E_P=e_p,
+             num_warps=4),
+        step(_align_scan_kernel, (1,), ("chunk_counts", "base", "expert_offsets", "expert_counts", "num_blocks"),
+             num_chunks, E, BLOCK_M=block_m, E_P=e_p, BLOCK_C=max(1, _TILE_ELEMS // e_p), num_warps=8),
+        step(_align_scatter_kernel, (num_chunks,), ("ids", "base", "sorted_slots"), num_slots, E, CHUNK=_CHUNK,
+             SUB=sub, E_P=e_p, num_warps=4),
+        step(_align_blocks_kernel, (cdiv(max_blocks, _BLOCK_B),),
+             ("expert_offsets", "expert_counts", "block_expert", "sorted_slots"), max_blocks, num_slots, E,
+             BLOCK_M=block_m, BLOCK_B=_BLOCK_B, E_P=e_p, num_warps=4),
+    ]

@@ -115,8 +115,9 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
     if tuple(d_out.shape) != (T, H) or d_out.dtype != dt:
         raise ValueError(f"d_out must be [{T}, {H}] {dt}, got {tuple(d_out.shape)} {d_out.dtype}")
     # Contiguous gradients (the custom op's fake implementation promises them, whatever the inputs' strides).
-    d_tw = (torch.zeros(topk_weights.shape, dtype=topk_weights.dtype, device=dev) if need_topk_weights
-            else None)  # dropped slots keep 0
+    # Dropped slots keep 0; a slot whose id is outside [-1, E) gets NaN (its token's output was NaN).
+    d_tw = (torch.zeros(topk_weights.shape, dtype=topk_weights.dtype, device=dev)
+            .masked_fill_((topk_ids < -1) | (topk_ids >= E), float("nan")) if need_topk_weights else None)
     if plan.max_blocks == 0 or T * k == 0 or H == 0 or I == 0:
         zeros = [torch.zeros(t.shape, dtype=t.dtype, device=dev) if need else None
                  for t, need in ((hidden, need_hidden), (w13, need_w13), (w2, need_w2))]

@@ -13,8 +13,7 @@ from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, c
 from .._validate import check_same_dtype
 from ..tuning import MoeConfig
 from .gemm import ACTIVATIONS
-from .ops import (SAVE_NONE, SAVE_PLAN, SAVE_PRE, check_expert_ids, config_to_list, moe_forward_impl,
-                  moe_forward_op)
+from .ops import SAVE_NONE, SAVE_PLAN, SAVE_PRE, check_expert_ids, config_to_list, moe_forward_op, moe_forward_run
 
 __all__ = ["fused_moe", "check_expert_ids"]
 
@@ -104,6 +103,6 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         return torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
     save = (SAVE_PLAN if recompute else SAVE_PRE) if grad else SAVE_NONE
     # Inference in eager mode needs neither autograd nor tracing: call the op's function without the dispatcher.
-    op = moe_forward_impl if not grad and not torch.compiler.is_compiling() else moe_forward_op
+    op = moe_forward_run if not grad and not torch.compiler.is_compiling() else moe_forward_op
     return op(hidden, w13, w2, topk_weights, topk_ids, activation, tma, bool(check_ids), bool(deterministic),
               config_to_list(config), save)[0]

@@ -20,6 +20,7 @@ from .._host import cdiv, next_power_of_2
 from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
+from ..tma.launcher import Launch, run_steps
 from .align import AlignPlan
 from .configs import num_programs
 
@@ -89,22 +90,40 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, plan: AlignPlan, *, config:
     if save:
         operands.update(pre_gate=(pre_out[:, :I], (bm, bn)), pre_up=(pre_out[:, I:], (bm, bn)))
     d = _tma.decide(tma, operands, op="moe.gemm1")
-    pg, pu = (pre_out[:, :I], pre_out[:, I:]) if save else (out, out)
-    progs = num_programs(config, hidden.element_size(), 2, hidden.device)
-    grid = (min(plan.max_blocks * cdiv(I, bn), progs),)
+    env = dict(hidden=hidden, w13=w13, inter=out, **plan_env(plan))
+    env["pre_gate"], env["pre_up"] = (pre_out[:, :I], pre_out[:, I:]) if save else (out, out)
     with _tma.launch_context(hidden, "moe.gate_up"):
-        _gate_up_kernel[grid](
-            hidden, w13, out, pg, pu, _slots(plan), plan.block_expert, plan.num_blocks,
-            E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
-            hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
-            pg.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, ACT=ACTIVATIONS[activation],
-            W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=dot_precision(hidden.dtype), DIRECT=plan.direct,
-            NUM_PROGRAMS=progs, FLATTEN=config.flatten, SAVE_PRE=save,
-            PG_TMA=save and d["pre_gate"], PU_TMA=save and d["pre_up"],
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        run_steps([gate_up_step(env, plan, config, activation, d, save)], env)
     return out
+
+
+def plan_env(plan: AlignPlan) -> dict:
+    """The plan's tensors under the names the GEMM steps use (a direct plan's ids stand in for the rest)."""
+    if plan.direct:
+        return dict(slots=plan.direct_ids, block_expert=plan.direct_ids, num_blocks=plan.direct_ids)
+    return dict(slots=plan.sorted_slots, block_expert=plan.block_expert, num_blocks=plan.num_blocks)
+
+
+def gate_up_step(env: dict, plan: AlignPlan, config: KernelConfig, activation: str, d, save: bool):
+    """The launch of :func:`gate_up` as a ``(Launch, tensor names)`` step over ``env`` (hidden, w13, inter,
+    pre_gate, pre_up and :func:`plan_env`'s names); ``d`` is its TMA decision."""
+    hidden, w13, out, pg = env["hidden"], env["w13"], env["inter"], env["pre_gate"]
+    E, two_i, H = w13.shape
+    I = two_i // 2  # noqa: E741
+    bn = config.block_n
+    progs = num_programs(config, hidden.element_size(), 2, hidden.device)
+    names = ("hidden", "w13", "inter", "pre_gate", "pre_up", "slots", "block_expert", "num_blocks")
+    return Launch(
+        _gate_up_kernel, (min(plan.max_blocks * cdiv(I, bn), progs),), *[env[n] for n in names],
+        E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
+        pg.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        ACT=ACTIVATIONS[activation], W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=dot_precision(hidden.dtype),
+        DIRECT=plan.direct, NUM_PROGRAMS=progs, FLATTEN=config.flatten, SAVE_PRE=save,
+        PG_TMA=save and d["pre_gate"], PU_TMA=save and d["pre_up"],
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    ), names
 
 
 def down(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -160,65 +179,92 @@ def slot_gemm_sum(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor |
     """``out[t] = sum_j scale(t, j) * a[row(t, j)] @ W[e]`` over live slots: the down GEMM of the forward
     (``w`` = w2 [E, N, K], W[e] = w2[e]^T, scale = the routed weight) and the d_hidden GEMM of the backward
     (``w_kn``: ``w`` = w13 [E, K, N] used as is, ``topk_weights=None``: no scale). The top-k reduction is
-    deterministic (per-slot rows, then :func:`topk_sum`) or fp32 atomics; see :func:`down`. TMA flags are
-    decided by the caller."""
+    deterministic (per-slot rows, then :func:`topk_sum`) or fp32 atomics; see :func:`down`. A token with an id
+    outside [-1, E) gets a NaN row. TMA flags are decided by the caller."""
     _check_plan(plan, config, what)
+    n_out = w.shape[2] if w_kn else w.shape[1]
+    T, k = topk_ids.shape
+    env = dict(inter=a, w2=w, tw=topk_weights if topk_weights is not None else a, ids=topk_ids.reshape(-1),
+               **plan_env(plan))
+    env["buf"] = torch.empty(slot_buffer_shape(T, k, n_out, deterministic), dtype=out_dtype if deterministic
+                             else torch.float32, device=a.device)
+    env["out"] = torch.empty((T, n_out), dtype=out_dtype, device=a.device) if deterministic else env["buf"]
+    with _tma.launch_context(a, what):
+        run_steps(slot_steps(env, plan, config, a_tma, w_tma, deterministic, w_kn=w_kn,
+                             scale=topk_weights is not None), env)
+    out = env["out"]
+    return out if deterministic or out_dtype == torch.float32 else out.to(out_dtype)
+
+
+def slot_buffer_shape(T: int, k: int, n_out: int, deterministic: bool) -> tuple:
+    """Per-slot rows [T*k, N] (deterministic) or the fp32 atomic sum [T, N]."""
+    return (T * k, n_out) if deterministic else (T, n_out)
+
+
+def slot_steps(env: dict, plan: AlignPlan, config: KernelConfig, a_tma: bool, w_tma: bool, deterministic: bool, *,
+               w_kn: bool = False, scale: bool = True) -> list:
+    """:func:`slot_gemm_sum`'s launches as steps over ``env`` (inter = the A rows, w2 = the weights, tw, ids =
+    flat topk_ids, buf (:func:`slot_buffer_shape`), out [T, N], and :func:`plan_env`'s names): deterministic,
+    the GEMM into per-slot rows then :func:`topk_sum`; else the zero (NaN for a bad id) fill of the fp32 sum, then
+    the GEMM's atomic adds into it."""
+    a, w, tw, buf = env["inter"], env["w2"], env["tw"], env["buf"]
     E = w.shape[0]
     n_out, k_dim = (w.shape[2], w.shape[1]) if w_kn else (w.shape[1], w.shape[2])
-    T, k = topk_ids.shape
-    dev = a.device
-    if deterministic:
-        buf = torch.empty((T * k, n_out), dtype=out_dtype, device=dev)
-    else:
-        buf = torch.zeros((T, n_out), dtype=torch.float32, device=dev)
-    progs = num_programs(config, a.element_size(), 1, dev)
-    grid = (min(plan.max_blocks * cdiv(n_out, config.block_n), progs),)
+    T = buf.shape[0] // plan.top_k if deterministic else buf.shape[0]
+    progs = num_programs(config, a.element_size(), 1, a.device)
     # _down_kernel's names: N stride "stride_wh", K stride "stride_wi".
     w_n_stride, w_k_stride = (w.stride(2), w.stride(1)) if w_kn else (w.stride(1), w.stride(2))
-    tw = topk_weights if topk_weights is not None else a
-    tw_strides = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
-    with _tma.launch_context(a, what):
-        _down_kernel[grid](
-            a, w, buf, tw, _slots(plan), plan.block_expert, plan.num_blocks,
-            E, n_out, k_dim, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
-            a.stride(0), w.stride(0), w_n_stride, w_k_stride, *tw_strides, buf.stride(0), buf.stride(1),
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-            Y_TMA=a_tma, W_TMA=w_tma, ATOMIC=not deterministic, DOT_PRECISION=dot_precision(a.dtype),
-            DIRECT=plan.direct, NUM_PROGRAMS=progs, FLATTEN=config.flatten, B_KN=w_kn,
-            SCALE=topk_weights is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+    tw_strides = (tw.stride(0), tw.stride(1)) if scale else (0, 0)
+    names = ("inter", "w2", "buf", "tw", "slots", "block_expert", "num_blocks")
+    gemm = Launch(
+        _down_kernel, (min(plan.max_blocks * cdiv(n_out, config.block_n), progs),), *[env[n] for n in names],
+        E, n_out, k_dim, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
+        a.stride(0), w.stride(0), w_n_stride, w_k_stride, *tw_strides, buf.stride(0), buf.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        Y_TMA=a_tma, W_TMA=w_tma, ATOMIC=not deterministic, DOT_PRECISION=dot_precision(a.dtype),
+        DIRECT=plan.direct, NUM_PROGRAMS=progs, FLATTEN=config.flatten, B_KN=w_kn,
+        SCALE=scale, num_warps=config.num_warps, num_stages=config.num_stages,
+    ), names
     if deterministic:
-        return topk_sum(buf, topk_ids, E, out_dtype=out_dtype)
-    return buf if out_dtype == torch.float32 else buf.to(out_dtype)
+        return [gemm, topk_sum_step(env, "buf", "out", E, T, plan.top_k, n_out)]
+    return [topk_sum_step(env, "buf", "buf", E, T, plan.top_k, n_out, fill=True), gemm]
 
 
 def _down_direct(inter, w2, topk_weights, topk_ids, plan, config, d, out_dtype):
     """Down GEMM of a DIRECT plan with the top-k sum in the same kernel (:func:`_down_direct_kernel`): one
     program per (token, column tile) walks the token's k experts, so there is no per-slot buffer and no
     second launch. Deterministic (no atomics)."""
+    T, H = topk_ids.shape[0], w2.shape[1]
+    env = dict(inter=inter, w2=w2, tw=topk_weights, ids=plan.direct_ids,
+               out=torch.empty((T, H), dtype=out_dtype, device=inter.device))
+    with _tma.launch_context(inter, "moe.down"):
+        run_steps([down_direct_step(env, plan, config, d)], env)
+    return env["out"]
+
+
+def down_direct_step(env: dict, plan: AlignPlan, config: KernelConfig, d):
+    """:func:`_down_direct`'s launch as a step over ``env`` (inter, w2, tw, ids = flat topk_ids, out [T, H])."""
+    inter, w2, tw, out = env["inter"], env["w2"], env["tw"], env["out"]
     E, H, I = w2.shape  # noqa: E741
-    T, k = topk_ids.shape
-    out = torch.empty((T, H), dtype=out_dtype, device=inter.device)
+    T, k = out.shape[0], plan.top_k
     bn = config.block_n
     progs = num_programs(config, inter.element_size(), 1, inter.device)
-    grid = (min(T * cdiv(H, bn), progs),)
-    with _tma.launch_context(inter, "moe.down"):
-        _down_direct_kernel[grid](
-            inter, w2, out, topk_weights, plan.direct_ids,
-            E, H, I, plan.max_rows, T, k,
-            inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(0),
-            topk_weights.stride(1), out.stride(0), out.stride(1),
-            BLOCK_M=config.block_m, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-            TOP_K_P=next_power_of_2(k), Y_TMA=d["inter"], W_TMA=d["w2"],
-            DOT_PRECISION=dot_precision(inter.dtype), NUM_PROGRAMS=progs, FLATTEN=config.flatten,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-    return out
+    names = ("inter", "w2", "out", "tw", "ids")
+    return Launch(
+        _down_direct_kernel, (min(T * cdiv(H, bn), progs),), *[env[n] for n in names],
+        E, H, I, plan.max_rows, T, k,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), tw.stride(0), tw.stride(1), out.stride(0),
+        out.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        TOP_K_P=next_power_of_2(k), Y_TMA=d["inter"], W_TMA=d["w2"], DOT_PRECISION=dot_precision(inter.dtype),
+        NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
+    ), names
 
 
 def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, out_dtype=None,
              block_h: int = 1024) -> torch.Tensor:
-    """``out[t] = sum_j slot_rows[t*k + j]`` (fp32, j in order) over slots with ids in [0, num_experts).
+    """``out[t] = sum_j slot_rows[t*k + j]`` (fp32, j in order) over slots with ids in [0, num_experts); a
+    token with an id outside [-1, num_experts) gets NaN.
 
     slot_rows [T*k, H] with unit inner stride; topk_ids [T, k]. Returns [T, H] in ``out_dtype`` (default
     slot_rows' dtype). Rows of dropped slots are never read, so they may hold garbage."""
@@ -230,10 +276,17 @@ def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
     out = torch.empty((T, H), dtype=out_dtype or slot_rows.dtype, device=slot_rows.device)
     if T == 0 or H == 0:
         return out
-    bh = min(block_h, next_power_of_2(H))
+    env = dict(buf=slot_rows, ids=topk_ids.reshape(-1), out=out)
     with _tma.launch_context(slot_rows, "moe.topk_sum"):
-        _topk_sum_kernel[(T, cdiv(H, bh))](
-            slot_rows, topk_ids.reshape(-1), out, num_experts, H, slot_rows.stride(0), out.stride(0),
-            out.stride(1), TOP_K=k, BLOCK_H=bh, num_warps=4,
-        )
+        run_steps([topk_sum_step(env, "buf", "out", num_experts, T, k, H, block_h=block_h)], env)
     return out
+
+
+def topk_sum_step(env: dict, src: str, dst: str, E: int, T: int, k: int, H: int, *, fill: bool = False,
+                  block_h: int = 1024):
+    """:func:`topk_sum` from ``env[src]`` into ``env[dst]`` (``ids`` = flat topk_ids) as a step; ``fill``:
+    ``dst`` gets zeros, NaN rows for tokens with a bad id (src is not read)."""
+    bh = min(block_h, next_power_of_2(H))
+    names = (src, "ids", dst)
+    return Launch(_topk_sum_kernel, (T, cdiv(H, bh)), *[env[n] for n in names], E, H, env[src].stride(0),
+                  env[dst].stride(0), env[dst].stride(1), TOP_K=k, BLOCK_H=bh, FILL=fill, num_warps=4), names

@@ -17,15 +17,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..tma import launch_context
-from ..tuning import KernelConfig, MoeConfig
-from .align import AlignPlan, direct_plan, moe_align, prefer_direct
+from ..tma import decide, interpreter_active, launch_context, record_decision
+from ..tma.launcher import PlanCache, current_device, env_key, run_steps
+from ..tuning import KernelConfig, MoeConfig, device_config, stamp_fresh
+from .align import AlignPlan, align_steps, direct_plan, max_blocks_for, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
 from .configs import moe_launch_config
-from .gemm import down, gate_up
+from .gemm import down_direct_step, gate_up_step, slot_buffer_shape, slot_steps
 
-__all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "check_expert_ids", "config_from_list", "config_to_list",
-           "moe_backward_op", "moe_forward_impl", "moe_forward_op"]
+__all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "ForwardPlan", "check_expert_ids", "config_from_list",
+           "config_to_list", "moe_backward_op", "moe_forward_impl", "moe_forward_op", "moe_forward_run"]
 
 SAVE_NONE, SAVE_PRE, SAVE_PLAN = 0, 1, 2  # save: nothing / plan + pre-activations / plan only (recompute)
 
@@ -63,8 +64,19 @@ def config_from_list(values) -> MoeConfig:
 def _config(hidden, w13, w2, topk_ids, config) -> MoeConfig:
     if config is not None:
         return config_from_list(config)
-    E, H, I = w2.shape  # noqa: E741
-    return moe_launch_config(E, H, I, hidden.dtype, hidden.shape[0], topk_ids.shape[1], hidden.device)[0]
+    E, two_i, H = w13.shape
+    return moe_launch_config(E, H, two_i // 2, hidden.dtype, hidden.shape[0], topk_ids.shape[1], hidden.device)[0]
+
+
+def moe_align_plan_like(topk_ids, E: int, block_m: int) -> AlignPlan:
+    """An :class:`AlignPlan` with moe_align's shapes, for building launches (its tensors are never read)."""
+    T, k = topk_ids.shape
+    max_blocks = max_blocks_for(T * k, E, block_m)
+    i32 = dict(dtype=torch.int32, device=topk_ids.device)
+    return AlignPlan(sorted_slots=torch.empty(max_blocks * block_m, **i32), block_expert=torch.empty(max_blocks, **i32),
+                     expert_offsets=torch.empty(E + 1, **i32), expert_counts=torch.empty(E, **i32),
+                     num_blocks=torch.empty(1, **i32), block_m=block_m, max_blocks=max_blocks, num_slots=T * k,
+                     top_k=k, num_experts=E)
 
 
 def _empty(hidden, *shape, dtype=None):
@@ -75,31 +87,169 @@ def moe_forward_impl(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tens
                      activation: str, tma: str, check: bool, deterministic: bool, config: Optional[list[int]],
                      save: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out [T, H], pre [rows, 2I], sorted_slots [rows], block_expert [blocks], expert_offsets [E + 1],
-    num_blocks [1]); everything after ``out`` is empty unless ``save`` asks for it."""
+    num_blocks [1]); everything after ``out`` is empty unless ``save`` asks for it.
+
+    The config, alignment and GEMM launches come from a cached :class:`ForwardPlan` (one per problem: shapes,
+    dtypes, strides, options, effective TMA mode and tuning file)."""
+    outs = moe_forward_run(hidden, w13, w2, topk_weights, topk_ids, activation, tma, check, deterministic, config,
+                           save)
+    if save != SAVE_NONE:
+        return outs
+    i32 = dict(dtype=torch.int32)
+    # Custom-op outputs may not share storage: one empty tensor each.
+    return (outs[0], _empty(hidden, 0, w13.shape[1]), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32),
+            _empty(hidden, 0, **i32), _empty(hidden, 0, **i32))
+
+
+def moe_forward_run(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                    activation: str, tma: str, check: bool, deterministic: bool, config: Optional[list[int]],
+                    save: int) -> tuple:
+    """:func:`moe_forward_impl`'s work; with ``save`` = SAVE_NONE only ``out`` is meaningful (the rest None), so an
+    eager inference call (:func:`hopperkern.moe.fused_moe`) allocates nothing it does not return."""
     T, H = hidden.shape
     E, two_i, _ = w13.shape
     I, k = two_i // 2, topk_ids.shape[1]  # noqa: E741
-    i32 = dict(dtype=torch.int32)
-    with launch_context(hidden, "moe.fused_moe"):
-        if check and T * k:
+    if T * k == 0 or H == 0 or I == 0:
+        with launch_context(hidden, "moe.fused_moe"):
+            return _empty_problem(hidden, w13, topk_ids, config, save)
+    key = (hidden.device, hidden.dtype, hidden.shape, hidden.stride(), w13.shape, w13.stride(), w2.shape, w2.stride(),
+           topk_weights.dtype, topk_weights.stride(), topk_ids.dtype, topk_ids.stride(), activation, tma,
+           deterministic, None if config is None else tuple(config), save, env_key())
+    plan = _FORWARD_PLANS.get(key)
+    if plan is not None and plan.fresh() and not plan.interpreted and plan.device == current_device():
+        if check:
             check_expert_ids(topk_ids, E)
-        cfg = _config(hidden, w13, w2, topk_ids, config)
-        if save == SAVE_NONE and prefer_direct(T, k, E):
-            plan = direct_plan(topk_ids, E, cfg.gemm1.block_m)
-        else:
-            plan = moe_align(topk_ids, E, cfg.gemm1.block_m)
-        pre = hidden.new_empty((plan.max_rows, 2 * I)) if save == SAVE_PRE else _empty(hidden, 0, 2 * I)
-        if T * k == 0 or H == 0 or I == 0:
-            out = torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
-        else:
-            inter = gate_up(hidden, w13, plan, config=cfg.gemm1, activation=activation, tma=tma,
-                            pre_out=pre if save == SAVE_PRE else None)
-            out = down(inter, w2, topk_weights, topk_ids, plan, config=cfg.gemm2, tma=tma,
-                       deterministic=deterministic, out_dtype=hidden.dtype, fused_topk=cfg.fused_topk)
+        return plan.run(hidden, w13, w2, topk_weights, topk_ids)
+    with launch_context(hidden, "moe.fused_moe"):
+        if check:
+            check_expert_ids(topk_ids, E)
+        if plan is None or not plan.fresh():
+            plan = _FORWARD_PLANS.put(key, ForwardPlan(hidden, w13, w2, topk_weights, topk_ids, activation, tma,
+                                                       deterministic, config, save))
+        return plan.run(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def _empty_problem(hidden, w13, topk_ids, config, save):
+    """fused_moe's outputs when there is nothing to multiply (no slot, H == 0 or I == 0)."""
+    T, H = hidden.shape
+    I = w13.shape[1] // 2  # noqa: E741
+    out = torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
     if save == SAVE_NONE:
-        return (out, pre, _empty(hidden, 0, **i32), _empty(hidden, 0, **i32), _empty(hidden, 0, **i32),
-                _empty(hidden, 0, **i32))
+        return (out, None, None, None, None, None)
+    cfg = _config(hidden, w13, None, topk_ids, config)
+    plan = moe_align(topk_ids, w13.shape[0], cfg.gemm1.block_m)
+    pre = hidden.new_empty((plan.max_rows, 2 * I)) if save == SAVE_PRE else _empty(hidden, 0, 2 * I)
     return out, pre, plan.sorted_slots, plan.block_expert, plan.expert_offsets, plan.num_blocks
+
+
+_FORWARD_PLANS = PlanCache("moe.forward")
+_I32_ALIGN = 4  # int32 elements: 16 bytes, so every piece of one allocation starts aligned
+
+
+class ForwardPlan:
+    """What one fused_moe problem decides on the host once: the config, direct or sorted alignment, the TMA
+    decisions of both GEMMs, buffer shapes and every launch, as ``(Launch, tensor names)`` steps over the
+    call's tensors (:func:`hopperkern.tma.launcher.run_steps`)."""
+
+    def __init__(self, hidden, w13, w2, topk_weights, topk_ids, activation, tma, deterministic, config, save):
+        T, H = hidden.shape
+        E, two_i, _ = w13.shape
+        I, k = two_i // 2, topk_ids.shape[1]  # noqa: E741
+        dev = hidden.device
+        self.interpreted = interpreter_active()
+        self.device = hidden.get_device()
+        self.tuning = None if config is not None or self.interpreted else device_config(dev)
+        cfg = _config(hidden, w13, w2, topk_ids, config)
+        self.save, self.E, self.I = save, E, I
+        self.direct = save == SAVE_NONE and prefer_direct(T, k, E)
+        bm = cfg.gemm1.block_m
+        if self.direct:
+            sample = direct_plan(topk_ids, E, bm)
+            self.i32 = {}
+        else:
+            sample = moe_align_plan_like(topk_ids, E, bm)
+            shapes = dict(sorted_slots=(sample.max_rows,), block_expert=(sample.max_blocks,),
+                          expert_offsets=(E + 1,), expert_counts=(E,), num_blocks=(1,))
+            shapes.update(scratch_shapes(T * k, E))
+            self.i32 = shapes
+            self.i32_sizes = [-(-_numel(v) // _I32_ALIGN) * _I32_ALIGN for v in shapes.values()]
+        self.rows = sample.max_rows
+        self.out_shape = (T, H)
+        self.fused_topk = self.direct and cfg.fused_topk
+        self.deterministic = deterministic or self.fused_topk
+        self.buf_shape = None if self.fused_topk else slot_buffer_shape(T, k, H, deterministic)
+        env = self._env(hidden, w13, w2, topk_weights, topk_ids)
+        d1 = decide(tma, dict(w13=(w13, (1, cfg.gemm1.block_n, cfg.gemm1.block_k)),
+                              inter=(env["inter"], (bm, cfg.gemm1.block_n)),
+                              **({} if save != SAVE_PRE else dict(
+                                  pre_gate=(env["pre_gate"], (bm, cfg.gemm1.block_n)),
+                                  pre_up=(env["pre_up"], (bm, cfg.gemm1.block_n))))), op="moe.gemm1")
+        d2 = decide(tma, dict(inter=(env["inter"], (bm, cfg.gemm2.block_k)),
+                              w2=(w2, (1, cfg.gemm2.block_n, cfg.gemm2.block_k))), op="moe.gemm2")
+        self.decisions = (d1, d2)
+        steps = [] if self.direct else align_steps(env, T * k, E, bm, sample.max_blocks)
+        steps.append(gate_up_step(env, sample, cfg.gemm1, activation, d1, save == SAVE_PRE))
+        if self.fused_topk:
+            steps.append(down_direct_step(env, sample, cfg.gemm2, d2))
+        else:
+            steps += slot_steps(env, sample, cfg.gemm2, d2["inter"], d2["w2"], deterministic)
+        self.steps = steps
+
+    def fresh(self) -> bool:
+        return self.tuning is None or stamp_fresh(self.tuning)
+
+    def _env(self, hidden, w13, w2, topk_weights, topk_ids) -> dict:
+        """The call's tensors by step name: inputs, and fresh outputs and scratch."""
+        dev, dt = hidden.device, hidden.dtype
+        ids = topk_ids.reshape(-1)
+        env = dict(hidden=hidden, w13=w13, w2=w2, tw=topk_weights, ids=ids)
+        if self.direct:
+            env.update(slots=ids, block_expert=ids, num_blocks=ids)
+        elif self.save == SAVE_NONE:
+            # One allocation for the plan and the scratch (nothing of it leaves the call).
+            pieces = torch.empty(sum(self.i32_sizes), dtype=torch.int32, device=dev).split(self.i32_sizes)
+            for (name, shape), piece in zip(self.i32.items(), pieces):
+                env[name] = piece[:_numel(shape)].view(shape)
+        else:
+            # Returned to autograd: custom-op outputs may not share storage.
+            for name, shape in self.i32.items():
+                env[name] = torch.empty(shape, dtype=torch.int32, device=dev)
+        if not self.direct:
+            env["slots"] = env["sorted_slots"]
+        env["inter"] = inter = torch.empty((self.rows, self.I), dtype=dt, device=dev)
+        if self.save == SAVE_PRE:
+            env["pre"] = pre = torch.empty((self.rows, 2 * self.I), dtype=dt, device=dev)
+            env["pre_gate"], env["pre_up"] = pre[:, :self.I], pre[:, self.I:]
+        else:
+            env["pre_gate"] = env["pre_up"] = inter
+        out = torch.empty(self.out_shape, dtype=dt, device=dev)
+        if self.fused_topk:
+            env["out"] = out
+        elif self.deterministic:
+            env["buf"], env["out"] = torch.empty(self.buf_shape, dtype=dt, device=dev), out
+        else:
+            env["buf"] = env["out"] = torch.empty(self.buf_shape, dtype=torch.float32, device=dev)
+        return env
+
+    def run(self, hidden, w13, w2, topk_weights, topk_ids):
+        env = self._env(hidden, w13, w2, topk_weights, topk_ids)
+        for d in self.decisions:
+            record_decision(d)
+        run_steps(self.steps, env)
+        out = env["out"]
+        if out.dtype != hidden.dtype:
+            out = out.to(hidden.dtype)
+        if self.save == SAVE_NONE:
+            return out, None, None, None, None, None  # moe_forward_impl fills in (distinct) empty tensors
+        pre = env["pre"] if self.save == SAVE_PRE else _empty(hidden, 0, 2 * self.I)
+        return out, pre, env["sorted_slots"], env["block_expert"], env["expert_offsets"], env["num_blocks"]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
 
 
 # The custom op runs the same function; an eager call that autograd does not record calls it directly

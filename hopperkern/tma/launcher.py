@@ -28,7 +28,7 @@ import threading
 
 from .capability import _numbers, _triton_version, interpreter_active
 
-__all__ = ["Launch", "PlanCache", "clear_plans", "direct_launch_supported", "env_key"]
+__all__ = ["Launch", "PlanCache", "clear_plans", "current_device", "direct_launch_supported", "env_key", "run_steps"]
 
 _DIRECT_TRITON = ((3, 6), (3, 10))  # [low, high): versions whose launch call this module mirrors
 
@@ -56,6 +56,15 @@ def _hooks_idle(rt) -> bool:
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
+
+
+def current_device() -> int:
+    """The current CUDA device's index (-1 without CUDA): a plan built for a device launches directly only
+    while that device is current."""
+    try:
+        return _runtime()[2]()
+    except Exception:
+        return -1
 
 
 def env_key() -> tuple:
@@ -177,3 +186,9 @@ class Launch:
         self.scratch = bool(getattr(kernel.metadata, "global_scratch_size", 0))
         self.device = device_of()
         self.compiled = kernel
+
+
+def run_steps(steps, env: dict) -> None:
+    """Launch ``steps``, ``(Launch, tensor names)`` pairs, with the tensors of ``env`` (name -> tensor)."""
+    for launch, names in steps:
+        launch(*[env[n] for n in names])
