@@ -68,15 +68,25 @@ def tensor_meta(t):
     return t.dtype, t.shape, t.device, t.layout
 
 
+def options_key(*values) -> tuple:
+    """Option values with their types, for a :func:`validate_once` key (True == 1 == 1.0 as dict keys)."""
+    return values + tuple(type(v) for v in values)
+
+
 def validate_once(key, validate, *fresh) -> None:
     """Run ``validate()`` unless arguments with the same metadata ``key`` passed it before (a hashable tuple;
     a key holding None, from :func:`tensor_meta`, is never remembered). ``fresh`` names (name, tensor) pairs whose
     memory is checked on every call all the same (:func:`check_local_memory`: a storage freed since, as FSDP does
     to gathered parameters). Validation is a pure function of the metadata, so a remembered key cannot hide an
     error; it costs a dict lookup instead of tens of checks on an op's hot path."""
-    if key in _VALIDATED:
-        for name, t in fresh:
-            check_local_memory(name, t)
+    try:
+        seen = key in _VALIDATED
+    except TypeError:  # an unhashable option value: validate() says what is wrong with it
+        seen, key = False, (None,)
+    if seen:
+        if not torch.compiler.is_compiling():  # traced calls see fake tensors (see check_tensor)
+            for name, t in fresh:
+                check_local_memory(name, t)
         return
     validate()
     if None not in key:

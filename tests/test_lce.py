@@ -923,7 +923,7 @@ def _backward_op_args(hidden):
     opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0, temperature=1.0, tma="never")
     _, lp, ent, lse = lce_forward_op(*_op_args("lce_forward", hidden=hidden(inp.hidden), weight=inp.weight,
                                                labels=inp.labels, bias=None, need_entropy=True, check=True,
-                                               pick_label=True, **opts))
+                                               pick_label=True, shared_out=False, **opts))
     return _op_args("lce_backward", hidden=hidden(inp.hidden), weight=inp.weight, labels=inp.labels, bias=None,
                     lse=lse, entropy=ent, zlab=None, logprob=lp, g_loss=upstream((5,)), g_logprob=None,
                     g_entropy=upstream((5,), seed=2), g_lse=None, need_hidden_grad=True, need_weight_grad=True,
@@ -939,7 +939,7 @@ def test_custom_ops_opcheck():
     inp = make_inputs((5, 20, 16), bias=True)
     fwd = _op_args("lce_forward", hidden=inp.hidden.requires_grad_(), weight=inp.weight.requires_grad_(),
                    labels=inp.labels, bias=inp.bias, ignore_index=-100, label_smoothing=0.1, z_loss=0.0, softcap=0.0,
-                   temperature=1.0, tma="never", need_entropy=True, check=True, pick_label=True)
+                   temperature=1.0, tma="never", need_entropy=True, check=True, pick_label=True, shared_out=False)
     torch.library.opcheck(lce_forward_op, fwd, test_utils=OPCHECKS)
     torch.library.opcheck(lce_backward_op, _backward_op_args(lambda h: h), test_utils=OPCHECKS)
 

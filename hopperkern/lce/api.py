@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import options_key, tensor_meta, validate_once
 from .launch import validate_inputs
-from .ops import lce_forward_impl, lce_forward_op
+from .ops import LceFunction, lce_forward_impl, lce_forward_op
 
 __all__ = ["linear_cross_entropy", "linear_logprobs_entropy"]
 
@@ -28,20 +29,31 @@ def _backward_follows(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _op(grad: bool):
-    """The custom op when autograd records or torch.compile traces; otherwise its function, called directly
-    (no dispatcher work on an eager no-grad call)."""
-    return lce_forward_op if grad or torch.compiler.is_compiling() else lce_forward_impl
-
-
 def _forward(process_group, grad: bool, *args):
-    """Per-token (loss, logprob, entropy, lse) from the op's arguments (pick_label = grad): the local op, or the
-    vocab-parallel path over ``process_group`` (:mod:`hopperkern.lce.distributed`)."""
+    """Per-token (loss, logprob, entropy, lse) from the op's arguments (pick_label = grad): the vocab-parallel path
+    over ``process_group`` (:mod:`hopperkern.lce.distributed`); the custom op when torch.compile traces; its
+    autograd function when autograd records an eager call; otherwise the op's function, called directly (no
+    dispatcher work, one output allocation)."""
     if process_group is not None:
         from .distributed import vocab_parallel_forward  # on first use: it imports torch.distributed and dynamo
 
         return vocab_parallel_forward(process_group, *args, grad)
-    return _op(grad)(*args, grad)
+    if torch.compiler.is_compiling():
+        return lce_forward_op(*args, grad)
+    if grad:
+        return LceFunction.apply(*args)
+    return lce_forward_impl(*args, False, True)
+
+
+def _validate(process_group, hidden, weight, labels, bias, options: tuple, **kw) -> None:
+    """validate_inputs, skipped for arguments whose metadata passed it before (weight's memory is checked on
+    every call all the same)."""
+    check = lambda: validate_inputs(hidden, weight, labels, bias, vocab_shard=_sharded(process_group), **kw)  # noqa: E731
+    if process_group is not None:
+        check()
+        return
+    validate_once((tensor_meta(hidden), tensor_meta(weight), tensor_meta(labels), tensor_meta(bias), options),
+                  check, ("weight", weight))
 
 
 def _sharded(process_group) -> bool:
@@ -107,9 +119,10 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     CPUs with gloo under Triton's interpreter, not yet with NCCL on GPUs.
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    validate_inputs(hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                    z_loss=z_loss, softcap=softcap, temperature=temperature, tma=tma, reduction=reduction,
-                    vocab_shard=_sharded(process_group))
+    _validate(process_group, hidden, weight, labels, bias,
+              options_key("ce", ignore_index, label_smoothing, z_loss, softcap, temperature, tma, reduction),
+              ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+              temperature=temperature, tma=tma, reduction=reduction)
     lab, bias = _small_contiguous(labels, bias)
     grad = _backward_follows(hidden, weight, bias)
     loss, _, _, _ = _forward(process_group, grad, _flat(hidden), weight, lab, bias, ignore_index,
@@ -148,8 +161,8 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     by torch.compile (runs eagerly). Tested so far on CPUs with gloo under Triton's interpreter only, not with NCCL.
     """
     hidden, weight = _autocast(hidden, weight)
-    validate_inputs(hidden, weight, labels, None, ignore_index=ignore_index, temperature=temperature, tma=tma,
-                    vocab_shard=_sharded(process_group))
+    _validate(process_group, hidden, weight, labels, None, options_key("lpe", ignore_index, temperature, tma),
+              ignore_index=ignore_index, temperature=temperature, tma=tma)
     lab, _ = _small_contiguous(labels, None)
     grad = _backward_follows(hidden, weight)
     _, logprob, entropy, _ = _forward(process_group, grad, _flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0,

@@ -261,8 +261,9 @@ def forward_plan_for(hidden2d, weight, labels1d, bias, opts: LceOptions, *, need
 
 def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
                 *, need_entropy: bool = True, config: KernelConfig | None = None, pick_label: bool = True,
-                stats_only: bool = False):
-    """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N].
+                stats_only: bool = False, shared_out: bool = False):
+    """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N]
+    (``shared_out``: views of one [4, N] allocation, one allocation instead of four).
 
     loss includes label smoothing and z-loss (0 at ignored tokens); logprob is 0 at ignored tokens; entropy
     is computed for every token (zeros when ``need_entropy`` is False). A kept label outside [0, V) makes all
@@ -303,7 +304,10 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     if stats_only:
         return m, s, t, sumz, zl
     # The combine kernel writes every row of all four outputs (entropy 0 without need_entropy): no fills.
-    out = tuple(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
+    if shared_out:
+        out = torch.empty((4, N), dtype=torch.float32, device=dev).unbind(0)
+    else:
+        out = tuple(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
     plan.combine(m, s, t, sumz, zl, labels1d, *out)
     return out
 

@@ -12,24 +12,42 @@ import torch
 from torch import Tensor
 
 from ..tma import launch_context
+from ..tma.launcher import current_device
 from .launch import LceOptions, check_labels, lce_backward, lce_forward
 
 
+_OPTS: dict = {}
+
+
 def _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma) -> LceOptions:
-    return LceOptions(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                      softcap=float(softcap), temperature=float(temperature), tma=str(tma))
+    """The options object of these values (one shared, hashable object per distinct set: no per-call build)."""
+    key = (ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
+    opts = _OPTS.get(key)
+    if opts is None:
+        if len(_OPTS) >= 256:
+            _OPTS.clear()
+        opts = _OPTS[key] = LceOptions(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
+                                       z_loss=float(z_loss), softcap=float(softcap), temperature=float(temperature),
+                                       tma=str(tma))
+    return opts
 
 
 def lce_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
-                   label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
-                   need_entropy: bool, check: bool, pick_label: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
+                     need_entropy: bool, check: bool, pick_label: bool = True,
+                     shared_out: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token (loss, logprob, entropy, lse) of 2-D ``hidden`` [N, H]; see :func:`launch.lce_forward`
-    (``pick_label``: True when a backward will follow)."""
+    (``pick_label``: True when a backward will follow; ``shared_out``: the four outputs may be views of one
+    allocation, as an eager no-grad call allows and a custom op's outputs do not)."""
+    if check:
+        check_labels(labels, weight.shape[0], ignore_index)
+    opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
+    if hidden.is_cuda and hidden.get_device() == current_device():  # already where it launches: no guard
+        return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
+                           shared_out=shared_out)
     with launch_context(hidden, "hopperkern.lce"):
-        if check:
-            check_labels(labels, weight.shape[0], ignore_index)
-        opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
-        return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy, pick_label=pick_label)
+        return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
+                           shared_out=shared_out)
 
 
 # The custom op runs the same function; an eager call that autograd does not record calls it directly (the
@@ -39,28 +57,31 @@ lce_forward_op = torch.library.custom_op("hopperkern::lce_forward", mutates_args
 
 @lce_forward_op.register_fake
 def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, need_entropy,
-      check, pick_label=True):
+      check, pick_label=True, shared_out=False):
     n = hidden.shape[0]
     return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(4))
 
 
-@torch.library.custom_op("hopperkern::lce_backward", mutates_args=())
-def lce_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
-                    entropy: Tensor, zlab: Optional[Tensor], g_loss: Optional[Tensor], g_logprob: Optional[Tensor],
-                    g_entropy: Optional[Tensor], g_lse: Optional[Tensor], ignore_index: int, label_smoothing: float,
-                    z_loss: float, softcap: float, temperature: float, tma: str, need_hidden_grad: bool,
-                    need_weight_grad: bool, logprob: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+def lce_backward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
+                      entropy: Tensor, zlab: Optional[Tensor], g_loss: Optional[Tensor], g_logprob: Optional[Tensor],
+                      g_entropy: Optional[Tensor], g_lse: Optional[Tensor], ignore_index: int, label_smoothing: float,
+                      z_loss: float, softcap: float, temperature: float, tma: str, need_hidden_grad: bool,
+                      need_weight_grad: bool, logprob: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias); a gradient that is not needed comes back as an empty tensor.
 
     ``logprob`` (the forward's fp32 log-prob) is required with ``g_loss`` or ``g_logprob``; ``zlab`` is
     deprecated and ignored (pass None); see :func:`launch.lce_backward`."""
     opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
-    g = [x.float().contiguous() if x is not None else None for x in (g_loss, g_logprob, g_entropy, g_lse)]
+    g = [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
+         for x in (g_loss, g_logprob, g_entropy, g_lse)]
     with launch_context(hidden, "hopperkern.lce backward"):
         dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, logprob=logprob, zlab=zlab,
                                   need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
     # Custom-op outputs must not alias each other: one fresh empty tensor per missing gradient.
     return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dh, dw, db))
+
+
+lce_backward_op = torch.library.custom_op("hopperkern::lce_backward", mutates_args=())(lce_backward_impl)
 
 
 @lce_backward_op.register_fake
@@ -73,22 +94,48 @@ def _(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_ent
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, _, _, _ = inputs
+    hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma = inputs[:10]
     _, logprob, entropy, lse = output
     # logprob = z_label - lse in fp32: the backward forms the label column of d(logits) from exp(logprob).
     ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy, logprob)
     ctx.opts = (ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
 
 
-def _backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
+def _grads(ctx, backward, g_loss, g_logprob, g_entropy, g_lse):
+    """The forward inputs' gradients (hidden, weight, bias) through ``backward`` (the op or its function)."""
     hidden, weight, labels, bias, lse, entropy, logprob = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = bias is not None and ctx.needs_input_grad[3]
     if not (need_h or need_w or need_b):
-        return (None,) * 13
-    dh, dw, db = lce_backward_op(hidden, weight, labels, bias, lse, entropy, None, g_loss, g_logprob, g_entropy,
-                                 g_lse, *ctx.opts, need_h, need_w, logprob)
-    return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 9
+        return None, None, None
+    dh, dw, db = backward(hidden, weight, labels, bias, lse, entropy, None, g_loss, g_logprob, g_entropy, g_lse,
+                          *ctx.opts, need_h, need_w, logprob)
+    return dh if need_h else None, dw if need_w else None, db if need_b else None
+
+
+def _backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
+    dh, dw, db = _grads(ctx, lce_backward_op, g_loss, g_logprob, g_entropy, g_lse)
+    return (dh, dw, None, db) + (None,) * 10
 
 
 torch.library.register_autograd("hopperkern::lce_forward", _backward, setup_context=_setup_context)
+
+
+class LceFunction(torch.autograd.Function):
+    """The custom op's autograd, for eager calls: the same forward and backward functions, without the
+    dispatcher's per-call work (tens of microseconds of host time). Traced calls use the op."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma,
+                need_entropy, check):
+        out = lce_forward_impl(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap,
+                               temperature, tma, need_entropy, check, True)
+        _setup_context(ctx, (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap,
+                             temperature, tma), out)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: a term the kernels skip
+        return out
+
+    @staticmethod
+    def backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
+        dh, dw, db = _grads(ctx, lce_backward_impl, g_loss, g_logprob, g_entropy, g_lse)
+        return (dh, dw, None, db) + (None,) * 8
