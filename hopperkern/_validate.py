@@ -68,6 +68,18 @@ def tensor_meta(t):
     return t.dtype, t.shape, t.device, t.layout
 
 
+def sync_check(name: str, value, t: torch.Tensor) -> bool:
+    """Whether an op runs its synchronous index check (labels, expert ids) for ``value`` of its ``check_*``
+    argument: True always (one device->host sync), False never, "auto" only where the check costs no device
+    sync (``t`` not on a GPU). Unchecked bad indices never give a finite wrong result: the kernels turn the
+    affected tokens' outputs and gradients into NaN."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, str) and value == "auto":
+        return not t.is_cuda
+    raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
+
+
 def options_key(*values) -> tuple:
     """Option values with their types, for a :func:`validate_once` key (True == 1 == 1.0 as dict keys)."""
     return values + tuple(type(v) for v in values)

@@ -101,7 +101,7 @@ def test_loss_module_matches_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_logprobs_module_equals_function(dtype):
     module = lce.LinearLogprobsEntropy(temperature=0.7, ignore_index=5, tma="never")
-    assert (module.temperature, module.ignore_index, module.tma, module.check_labels) == (0.7, 5, "never", True)
+    assert (module.temperature, module.ignore_index, module.tma, module.check_labels) == (0.7, 5, "never", "auto")
     assert list(module.parameters()) == []
     hidden, weight, _, labels = lce_inputs(dtype, seed=4)
     got = grads(lambda h, w: module(h, w, labels), hidden, weight)
@@ -123,7 +123,7 @@ LCE_ERRORS = [
     (lce.LinearCrossEntropyLoss, dict(softcap=0.0), ValueError, "softcap must be > 0.0, got 0.0"),
     (lce.LinearCrossEntropyLoss, dict(temperature=0), ValueError, "temperature must be > 0.0, got 0"),
     (lce.LinearCrossEntropyLoss, dict(tma="fast"), ValueError, r"tma must be one of \('auto', 'always', 'never'\)"),
-    (lce.LinearCrossEntropyLoss, dict(check_labels=1), TypeError, "check_labels must be a bool, got int"),
+    (lce.LinearCrossEntropyLoss, dict(check_labels=1), TypeError, "check_labels must be a bool or 'auto', got 1"),
     (lce.LinearLogprobsEntropy, dict(temperature="hot"), TypeError, "temperature must be a number, got str"),
     (lce.LinearLogprobsEntropy, dict(ignore_index=True), TypeError, "ignore_index must be an int, got bool"),
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import options_key, tensor_meta, validate_once
+from .._validate import options_key, sync_check, tensor_meta, validate_once
 from .launch import validate_inputs
 from .ops import LceFunction, lce_forward_impl, lce_forward_op
 
@@ -78,7 +78,7 @@ def _small_contiguous(labels, bias):
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0, tma="auto",
-                         check_labels=True, process_group=None):
+                         check_labels="auto", process_group=None):
     """Cross-entropy of ``hidden @ weight.T`` without materialising the N x V logits.
 
     Equivalent to (all math in fp32)::
@@ -96,8 +96,10 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         reduction: "mean" (divides by kept tokens; all ignored -> 0.0 with zero grads), "sum" or "none"
             (labels.shape, 0 at ignored tokens).
         tma: "auto" | "always" | "never" (``HOPPERKERN_TMA`` overrides).
-        check_labels: verify labels lie in [0, V) or equal ignore_index (one pass + one host sync); pass
-            False when labels are known valid (an invalid label then gives NaN, never a wrong loss).
+        check_labels: "auto" (default): no host sync on a GPU; a kept label outside [0, V) makes its token's
+            loss, log-prob, entropy and gradients NaN (so the reduced loss too), never a finite wrong number;
+            where the check costs no sync (CPU tensors) it raises ValueError. True: always check first (one
+            pass + one host sync), raising ValueError naming the bad labels. False: never check.
         process_group: None, or a ``torch.distributed.ProcessGroup`` over which the head is vocab-parallel (see
             below).
 
@@ -127,7 +129,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     grad = _backward_follows(hidden, weight, bias)
     loss, _, _, _ = _forward(process_group, grad, _flat(hidden), weight, lab, bias, ignore_index,
                              float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature), tma,
-                             False, bool(check_labels))
+                             False, sync_check("check_labels", check_labels, lab))
     if reduction == "none":
         return loss.view(labels.shape)
     total = loss.sum()
@@ -137,7 +139,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
 
 
 def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_index=-100, tma="auto",
-                            check_labels=True, process_group=None):
+                            check_labels="auto", process_group=None):
     """Per-token log-probabilities of ``labels`` and entropies under softmax(hidden @ weight.T / temperature).
 
     Equivalent to::
@@ -166,5 +168,5 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     lab, _ = _small_contiguous(labels, None)
     grad = _backward_follows(hidden, weight)
     _, logprob, entropy, _ = _forward(process_group, grad, _flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0,
-                                      0.0, float(temperature), tma, True, bool(check_labels))
+                                      0.0, float(temperature), tma, True, sync_check("check_labels", check_labels, lab))
     return logprob.view(labels.shape), entropy.view(labels.shape)

@@ -33,7 +33,7 @@ from .._validate import (
     check_same_dtype,
     dot_precision,
 )
-from ..tma.launcher import Launch, PlanCache, env_key
+from ..tma.launcher import Launch, PlanCache, alignment_key, env_key
 from ..tuning import KernelConfig
 from ._kernels import (
     lce_combine_kernel,
@@ -188,7 +188,8 @@ _FORWARD_PLANS = PlanCache("lce.forward")
 
 def _forward_key(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool):
     return (hidden2d.device, hidden2d.dtype, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(),
-            labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, env_key())
+            labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, env_key(),
+            alignment_key(hidden2d, weight, labels1d, bias))
 
 
 def _stats(plan: _ForwardPlan, N: int, dev):
@@ -417,7 +418,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     V_total = V if vocab_total is None else int(vocab_total)
     if config is None:
         key = (hidden2d.device, dt, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(), labels1d.dtype,
-               None if bias is None else bias.dtype, opts, flags, V_total, env_key())
+               None if bias is None else bias.dtype, opts, flags, V_total, env_key(),
+               alignment_key(hidden2d, weight, labels1d, bias))
         plan = _BACKWARD_PLANS.get(key)
         if plan is None or not plan.fresh():
             plan = _BACKWARD_PLANS.put(key, _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts, flags,

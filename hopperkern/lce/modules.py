@@ -24,8 +24,8 @@ def _check_common(ignore_index, temperature, tma, check_labels) -> None:
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_float("temperature", temperature, low=0.0, low_open=True)
     check_choice("tma", tma, TMA_MODES)
-    if not isinstance(check_labels, bool):
-        raise TypeError(f"check_labels must be a bool, got {type(check_labels).__name__}")
+    if not (isinstance(check_labels, bool) or check_labels == "auto"):
+        raise TypeError(f"check_labels must be a bool or 'auto', got {check_labels!r}")
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -42,12 +42,12 @@ class LinearCrossEntropyLoss(nn.Module):
     ``forward(hidden [..., H], weight [V, H], labels [...], bias=None [V])`` returns a float32 scalar, or
     ``labels.shape`` for ``reduction="none"``. ``"mean"`` divides by the kept tokens (0.0 when all are ignored).
     Gradients reach hidden, weight and bias. ``tma`` and ``check_labels`` are passed on to the function: see
-    there (``check_labels=False`` saves one host sync per call when the labels are known valid).
+    there (``check_labels``: "auto" checks without a host sync, bad labels turning into NaN; True checks with one).
     """
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  z_loss: float = 0.0, softcap: float | None = None, temperature: float = 1.0, *, tma: str = "auto",
-                 check_labels: bool = True):
+                 check_labels: bool | str = "auto"):
         super().__init__()
         _check_common(ignore_index, temperature, tma, check_labels)
         check_choice("reduction", reduction, REDUCTIONS)
@@ -92,7 +92,7 @@ class LinearLogprobsEntropy(nn.Module):
     """
 
     def __init__(self, temperature: float = 1.0, *, ignore_index: int = -100, tma: str = "auto",
-                 check_labels: bool = True):
+                 check_labels: bool | str = "auto"):
         super().__init__()
         _check_common(ignore_index, temperature, tma, check_labels)
         self.temperature = temperature

@@ -10,7 +10,7 @@ import torch
 
 from .. import tma as _tma
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
-from .._validate import check_same_dtype
+from .._validate import check_same_dtype, options_key, sync_check, tensor_meta, validate_once
 from ..tuning import MoeConfig
 from .gemm import ACTIVATIONS
 from .ops import SAVE_NONE, SAVE_PLAN, SAVE_PRE, check_expert_ids, config_to_list, moe_forward_op, moe_forward_run
@@ -50,7 +50,7 @@ def _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma):
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, activation: str = "silu", tma: str = "auto", check_ids: bool = True,
+              topk_ids: torch.Tensor, *, activation: str = "silu", tma: str = "auto", check_ids: bool | str = "auto",
               deterministic: bool = True, config: MoeConfig | None = None, recompute: bool = False) -> torch.Tensor:
     """Mixture-of-Experts MLP of routed tokens. Equivalent plain PyTorch (see :mod:`hopperkern.moe.reference`)::
 
@@ -79,9 +79,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     activation: "silu" or "gelu_tanh" (tanh approximation). tma: "auto" | "always" | "never" (per operand,
     see :func:`hopperkern.tma.decide`; decisions are recorded as "moe.gemm1" and "moe.gemm2", and for the
     backward "moe.backward.dgate_up", "moe.backward.d_hidden", "moe.backward.d_w13", "moe.backward.d_w2").
-    check_ids: validate the ids on the host first (one device->host sync). Pass False when ids are known valid
-    and for CUDA-graph capture; invalid ids then drop their slots silently. Nothing else synchronises, forward
-    or backward.
+    check_ids: "auto" (default): no host sync on a GPU; a token with an id outside [-1, E) gets a NaN output
+    row (and NaN d_hidden and d_topk_weights), never a plausible row lacking an expert; where the check costs no
+    sync (CPU tensors) it raises ValueError. True: validate on the host first (one device->host sync; not under
+    CUDA-graph capture), raising ValueError naming the bad ids. False: never check. Nothing else synchronises,
+    forward or backward.
     deterministic: True (default) stores each slot's weighted row once (hidden's dtype) and sums the k rows
     of a token in a fixed order, in fp32: bitwise reproducible. False adds the rows with fp32 atomics into a
     [T, H] fp32 buffer, then casts: no [T*k, H] round trip, but the add order (so the last bits) varies run to
@@ -94,15 +96,19 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte
     aligned strides, so ``tma="auto"`` falls back to pointer loads for weights that are not.
     """
-    T, H, E, I = _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma)
+    validate_once((tensor_meta(hidden), tensor_meta(w13), tensor_meta(w2), tensor_meta(topk_weights),
+                   tensor_meta(topk_ids), options_key(activation, tma)),
+                  lambda: _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma),
+                  ("w13", w13), ("w2", w2))
     if config is not None and not isinstance(config, MoeConfig):
         raise TypeError(f"config must be a hopperkern.tuning.MoeConfig or None, got {type(config).__name__}")
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, w13, w2, topk_weights))
-    k = topk_ids.shape[1]
-    if not grad and (T == 0 or k == 0 or H == 0 or I == 0):
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or w13.requires_grad or w2.requires_grad
+                                        or topk_weights.requires_grad)
+    T, H = hidden.shape
+    if not grad and (T == 0 or topk_ids.shape[1] == 0 or H == 0 or w2.shape[2] == 0):
         return torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
     save = (SAVE_PLAN if recompute else SAVE_PRE) if grad else SAVE_NONE
     # Inference in eager mode needs neither autograd nor tracing: call the op's function without the dispatcher.
     op = moe_forward_run if not grad and not torch.compiler.is_compiling() else moe_forward_op
-    return op(hidden, w13, w2, topk_weights, topk_ids, activation, tma, bool(check_ids), bool(deterministic),
-              config_to_list(config), save)[0]
+    return op(hidden, w13, w2, topk_weights, topk_ids, activation, tma, sync_check("check_ids", check_ids, topk_ids),
+              bool(deterministic), None if config is None else config_to_list(config), save)[0]

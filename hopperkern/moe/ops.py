@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..tma import decide, interpreter_active, launch_context, record_decision
-from ..tma.launcher import PlanCache, current_device, env_key, run_steps
+from ..tma.launcher import PlanCache, alignment_key, current_device, env_key, run_steps
 from ..tuning import KernelConfig, MoeConfig, device_config, stamp_fresh
 from .align import AlignPlan, align_steps, direct_plan, max_blocks_for, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
@@ -114,7 +114,8 @@ def moe_forward_run(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tenso
             return _empty_problem(hidden, w13, topk_ids, config, save)
     key = (hidden.device, hidden.dtype, hidden.shape, hidden.stride(), w13.shape, w13.stride(), w2.shape, w2.stride(),
            topk_weights.dtype, topk_weights.stride(), topk_ids.dtype, topk_ids.stride(), activation, tma,
-           deterministic, None if config is None else tuple(config), save, env_key())
+           deterministic, None if config is None else tuple(config), save, env_key(),
+           alignment_key(hidden, w13, w2, topk_weights, topk_ids))
     plan = _FORWARD_PLANS.get(key)
     if plan is not None and plan.fresh() and not plan.interpreted and plan.device == current_device():
         if check:

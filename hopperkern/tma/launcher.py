@@ -28,7 +28,8 @@ import threading
 
 from .capability import _numbers, _triton_version, interpreter_active
 
-__all__ = ["Launch", "PlanCache", "clear_plans", "current_device", "direct_launch_supported", "env_key", "run_steps"]
+__all__ = ["Launch", "PlanCache", "alignment_key", "clear_plans", "current_device", "direct_launch_supported",
+           "env_key", "run_steps"]
 
 _DIRECT_TRITON = ((3, 6), (3, 10))  # [low, high): versions whose launch call this module mirrors
 
@@ -65,6 +66,16 @@ def current_device() -> int:
         return _runtime()[2]()
     except Exception:
         return -1
+
+
+def alignment_key(*tensors) -> int:
+    """Which of ``tensors`` start 16 bytes past an aligned address or more, as bits: part of every plan key, since
+    the TMA decision (and the kernel binaries) depend on it."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t is not None and t.data_ptr() & 15:
+            bits |= 1 << i
+    return bits
 
 
 def env_key() -> tuple:
@@ -124,9 +135,17 @@ class Launch:
 
         names = fn.arg_names
         full = list(args)
+        params = None
         for name in names[len(args):]:
             if name not in kwargs:
-                raise TypeError(f"{fn.__name__}: no value for argument {name!r}")
+                if params is None:
+                    import inspect
+
+                    params = inspect.signature(fn.fn).parameters
+                if params[name].default is inspect.Parameter.empty:
+                    raise TypeError(f"{fn.__name__}: no value for argument {name!r}")
+                full.append(params[name].default)
+                continue
             full.append(kwargs[name])
         self.fn = fn
         self.grid = tuple(grid) + (1,) * (3 - len(grid))

@@ -1,0 +1,298 @@
+"""Launch plans (hopperkern.tma.launcher): per-problem caching, invalidation, and what a reused plan must still
+do right: fresh tensors every call, HOPPERKERN_TMA / HOPPERKERN_CONFIG changes, edited tuning files, other shapes
+and dtypes. Also the index-check modes (check_labels / check_ids = True | False | "auto")."""
+
+import os
+
+import pytest
+import torch
+
+import hopperkern.lce.launch as lce_launch
+import hopperkern.moe.ops as moe_ops
+from hopperkern import lce, moe, tma, tuning
+from hopperkern._validate import sync_check
+from hopperkern.lce import reference as lce_ref
+from hopperkern.moe import reference as moe_ref
+from hopperkern.tma.launcher import Launch, clear_plans
+
+from conftest import DEVICE
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("HOPPERKERN_TMA", raising=False)
+    monkeypatch.delenv("HOPPERKERN_CONFIG", raising=False)
+    clear_plans()
+    yield
+    clear_plans()
+
+
+def lce_inputs(N=19, V=70, H=40, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn((N, H), generator=gen).to(dtype)
+    w = (torch.randn((V, H), generator=gen) * H ** -0.5).to(dtype)
+    y = torch.randint(0, V, (N,), generator=gen)
+    return h.to(DEVICE), w.to(DEVICE), y.to(DEVICE)
+
+
+def moe_inputs(T=6, E=4, H=64, I=32, k=2, seed=0):  # noqa: E741
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((T, H), generator=gen)
+    w13 = torch.randn((E, 2 * I, H), generator=gen) / H ** 0.5
+    w2 = torch.randn((E, H, I), generator=gen) / I ** 0.5
+    weights, ids = moe.route(torch.randn((T, E), generator=gen), k)
+    return [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def test_lce_plan_is_built_once_and_reused_with_fresh_tensors():
+    """Two calls of one problem share one forward plan; the second call's new values give its own right
+    answer (the plan holds no tensor of the first call)."""
+    h, w, y = lce_inputs()
+    lp1, _ = lce.linear_logprobs_entropy(h, w, y, tma="never")
+    assert len(lce_launch._FORWARD_PLANS) == 1
+    plan = next(iter(lce_launch._FORWARD_PLANS._plans.values()))
+    assert all(a is None or not isinstance(a, torch.Tensor) for a in plan.forward.template)
+    h2, w2, y2 = lce_inputs(seed=1)
+    lp2, ent2 = lce.linear_logprobs_entropy(h2, w2, y2, tma="never")
+    assert len(lce_launch._FORWARD_PLANS) == 1
+    want_lp, want_ent = lce_ref.linear_logprobs_entropy(h2, w2, y2)
+    assert rel(lp2, want_lp) < 1e-5 and rel(ent2, want_ent) < 1e-5
+    assert not torch.equal(lp1, lp2)
+
+
+@pytest.mark.parametrize("change", ["tokens", "dtype", "strides", "options", "entropy"])
+def test_lce_plan_per_problem(change):
+    """A different shape, dtype, stride, option or output set is a different plan, and each answer is right."""
+    h, w, y = lce_inputs()
+    lce.linear_cross_entropy(h, w, y, tma="never")
+    kw = dict(tma="never")
+    if change == "tokens":
+        h, y = h[:11], y[:11]
+    elif change == "dtype":
+        h, w = h.half(), w.half()
+    elif change == "strides":
+        h = torch.cat([h, h], 1)[:, ::2]
+    elif change == "options":
+        kw["label_smoothing"] = 0.1
+    else:
+        kw["label_smoothing"] = 0.2
+    loss = lce.linear_cross_entropy(h, w, y, **kw)
+    assert len(lce_launch._FORWARD_PLANS) == 2
+    want = lce_ref.linear_cross_entropy(h.float(), w.float(), y, **{k: v for k, v in kw.items() if k != "tma"})
+    assert rel(loss, want) < (2e-3 if change == "dtype" else 1e-5)
+
+
+def test_lce_plan_follows_hopperkern_tma(monkeypatch):
+    """HOPPERKERN_TMA set between two calls takes effect on the next call (a new plan, the new decision)."""
+    h, w, y = lce_inputs()
+    lce.linear_logprobs_entropy(h, w, y)
+    assert tma.last_decision("lce.forward").mode == "auto"
+    monkeypatch.setenv("HOPPERKERN_TMA", "never")
+    lce.linear_logprobs_entropy(h, w, y)
+    d = tma.last_decision("lce.forward")
+    assert d.mode == "never" and not any(d.use.values())
+    monkeypatch.delenv("HOPPERKERN_TMA")
+    lce.linear_logprobs_entropy(h, w, y)
+    assert tma.last_decision("lce.forward").mode == "auto"
+    assert len(lce_launch._FORWARD_PLANS) == 2  # the first plan serves the third call again
+
+
+def test_plan_key_holds_hopperkern_config(monkeypatch, tmp_path):
+    """A changed HOPPERKERN_CONFIG value is a new plan key (its file is looked up again)."""
+    key = tma.launcher.env_key()
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
+    assert tma.launcher.env_key() != key
+    h, w, y = lce_inputs()
+    lce.linear_logprobs_entropy(h, w, y, tma="never")
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path / "other"))
+    lce.linear_logprobs_entropy(h, w, y, tma="never")
+    assert len(lce_launch._FORWARD_PLANS) == 2
+
+
+def test_stamp_fresh_sees_an_edited_tuning_file(tmp_path):
+    """A tuning file's stamp goes stale when the file changes (what every cached plan checks per call)."""
+    path = tmp_path / "NVIDIA_H200.json"
+    tuning.TuningConfig(device_name="NVIDIA H200").save(path)
+    cfg = tuning.load_config(str(path))
+    assert tuning.stamp_fresh(cfg)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert not tuning.stamp_fresh(cfg)
+    assert tuning.stamp_fresh(tuning.load_config(str(path)))  # parsed again: a fresh stamp
+    assert tuning.stamp_fresh(tuning.TuningConfig())  # built-in defaults never go stale
+
+
+@pytest.mark.parametrize("family", ["lce", "moe"])
+def test_stale_plan_is_rebuilt(family, tmp_path):
+    """A plan whose tuning file changed since it was built is replaced on the next call."""
+    path = tmp_path / "NVIDIA_H200.json"
+    tuning.TuningConfig(device_name="NVIDIA H200").save(path)
+    stale = tuning.load_config(str(path))
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    if family == "lce":
+        h, w, y = lce_inputs()
+        call = lambda: lce.linear_logprobs_entropy(h, w, y, tma="never")  # noqa: E731
+        cache = lce_launch._FORWARD_PLANS
+    else:
+        args = moe_inputs()
+        call = lambda: moe.fused_moe(*args, tma="never")  # noqa: E731
+        cache = moe_ops._FORWARD_PLANS
+    call()
+    (key, plan), = cache._plans.items()
+    plan.tuning = stale
+    call()
+    assert cache.get(key) is not plan and cache.get(key).fresh()
+
+
+def test_moe_plan_reused_across_routings():
+    """One fused_moe plan serves calls with new ids and weights (sorted and direct alignment), each right."""
+    for T in (6, 1):
+        x, w13, w2, _, _ = moe_inputs(T=T)
+        for seed in (1, 2):
+            gen = torch.Generator().manual_seed(seed)
+            weights, ids = moe.route(torch.randn((T, 4), generator=gen).to(DEVICE), 2)
+            out = moe.fused_moe(x, w13, w2, weights, ids, tma="never")
+            want = moe_ref.fused_moe(x, w13, w2, weights, ids)
+            assert rel(out, want) < 1e-5
+    assert len(moe_ops._FORWARD_PLANS) == 2
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_moe_plan_training_and_inference(mode):
+    """Training calls (plan + pre-activations kept for the backward) and inference calls of one problem use
+    their own plans; gradients stay right when the plans are reused."""
+    x, w13, w2, weights, ids = moe_inputs()
+    for _ in range(2):
+        xs = x.clone().requires_grad_()
+        out = moe.fused_moe(xs, w13, w2, weights, ids, tma=mode)
+        out.backward(torch.ones_like(out))
+        xr = x.clone().requires_grad_()
+        moe_ref.fused_moe(xr, w13, w2, weights, ids).backward(torch.ones_like(out))
+        assert rel(xs.grad, xr.grad) < 1e-5
+        with torch.no_grad():
+            assert rel(moe.fused_moe(x, w13, w2, weights, ids, tma=mode), out.detach()) < 1e-6
+    assert len(moe_ops._FORWARD_PLANS) == 2
+
+
+def test_launch_checks_dtypes_and_keeps_no_tensors():
+    """A Launch refuses a tensor of another dtype than it was built for, and keeps none of its build tensors."""
+    from hopperkern.moe._gemm_kernels import _topk_sum_kernel
+
+    src, ids, out = torch.ones((4, 8)), torch.zeros(4, dtype=torch.int32), torch.empty((2, 8))
+    launch = Launch(_topk_sum_kernel, (2, 1), src, ids, out, 4, 8, 8, 8, 1, TOP_K=2, BLOCK_H=8, num_warps=4)
+    assert sum(isinstance(a, torch.Tensor) for a in launch.template) == 0
+    if DEVICE == "cpu":
+        launch(src, ids, out)
+        assert torch.equal(out, torch.full((2, 8), 2.0))
+        with pytest.raises(TypeError, match="bound for torch.int32"):
+            launch(src, ids.long(), out)
+
+
+def test_sync_check_modes():
+    """True: always; False: never; "auto": only where no device sync is needed; anything else: ValueError."""
+    cpu = torch.zeros(3, dtype=torch.int64)
+
+    class OnGpu:
+        is_cuda = True
+
+    assert sync_check("check_ids", True, OnGpu()) and not sync_check("check_ids", False, cpu)
+    assert sync_check("check_ids", "auto", cpu) and not sync_check("check_ids", "auto", OnGpu())
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="check_ids must be True, False or 'auto'"):
+            sync_check("check_ids", bad, cpu)
+
+
+def test_auto_checks_raise_on_cpu():
+    """The default check mode raises for bad indices where checking costs no sync (CPU tensors)."""
+    h, w, y = lce_inputs()
+    y = y.clone()
+    y[2] = 70
+    with pytest.raises(ValueError, match="labels must be in"):
+        lce.linear_cross_entropy(h, w, y)
+    with pytest.raises(ValueError, match="check_labels must be True, False or 'auto'"):
+        lce.linear_cross_entropy(h, w, y, check_labels="sometimes")
+    args = moe_inputs()
+    args[4][1, 0] = 7
+    with pytest.raises(ValueError, match="topk_ids must be in"):
+        moe.fused_moe(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the direct launch path
+
+
+@gpu
+def test_direct_launch_binds_and_matches():
+    """On a GPU the second call of a plan launches its compiled kernels directly, with the same results."""
+    h, w, y = lce_inputs(N=300, V=5000, H=256, dtype=torch.bfloat16)
+    outs = [lce.linear_logprobs_entropy(h, w, y) for _ in range(3)]
+    plan = next(iter(lce_launch._FORWARD_PLANS._plans.values()))
+    assert plan.forward.compiled is not None and plan.combine.compiled is not None
+    assert plan.label.compiled is not None
+    for a, b in zip(outs[0], outs[2]):
+        assert torch.equal(a, b)
+    x, w13, w2, weights, ids = moe_inputs(T=40, E=8, H=256, I=128, k=2)
+    args = [t.bfloat16() if t.is_floating_point() and t is not weights else t for t in (x, w13, w2, weights, ids)]
+    moe_outs = [moe.fused_moe(*args) for _ in range(3)]
+    mplan = next(iter(moe_ops._FORWARD_PLANS._plans.values()))
+    assert all(step[0].compiled is not None for step in mplan.steps)
+    assert torch.equal(moe_outs[0], moe_outs[2])
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["auto", "never"])
+def test_unaligned_tensor_gets_its_own_plan(mode):
+    """A call whose hidden starts off a 16-byte boundary is another plan (TMA refuses it; a binary may assume
+    alignment), and stays right after aligned calls of the same shape bound their kernels."""
+    N, V, H = 64, 4096, 256
+    h, w, y = lce_inputs(N=N, V=V, H=H, dtype=torch.bfloat16)
+    for _ in range(2):
+        lce.linear_logprobs_entropy(h, w, y, tma=mode)
+    buf = torch.empty(N * H + 1, dtype=torch.bfloat16, device=DEVICE)
+    h_odd = buf[1:].view(N, H)
+    h_odd.copy_(h)
+    assert h_odd.data_ptr() % 16 != 0
+    for _ in range(2):
+        lp, ent = lce.linear_logprobs_entropy(h_odd, w, y, tma=mode)
+    assert not tma.last_decision("lce.forward").use["hidden"]
+    want_lp, want_ent = lce_ref.linear_logprobs_entropy(h.float(), w.float(), y)
+    assert rel(lp, want_lp) < 2e-2 and rel(ent, want_ent) < 2e-2
+    assert len(lce_launch._FORWARD_PLANS) == 2
+
+
+@gpu
+def test_direct_launch_leaves_profiler_hooks_to_triton():
+    """With a Triton launch hook installed (a profiler), launches go through Triton, which calls the hook."""
+    import triton
+
+    h, w, y = lce_inputs(N=64, V=4096, H=256, dtype=torch.bfloat16)
+    lce.linear_logprobs_entropy(h, w, y)
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        lce.linear_logprobs_entropy(h, w, y)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert len(seen) == 3  # label logit, forward, combine
+
+
+@gpu
+def test_auto_checks_poison_on_gpu_without_sync():
+    """On a GPU the default check mode does not synchronise: bad labels and ids give NaN, not an error."""
+    h, w, y = lce_inputs(N=64, V=4096, H=256, dtype=torch.bfloat16)
+    y[5] = 5000
+    loss = lce.linear_cross_entropy(h, w, y, reduction="none")
+    assert torch.isnan(loss[5]) and torch.isfinite(loss[:5]).all()
+    x, w13, w2, weights, ids = moe_inputs(T=40, E=8, H=256, I=128, k=2)
+    ids[3, 1] = 8
+    out = moe.fused_moe(x, w13, w2, weights, ids)
+    assert torch.isnan(out[3]).all() and torch.isfinite(out[4:]).all()
