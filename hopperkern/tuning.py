@@ -59,6 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 __all__ = [
     "SCHEMA_VERSION",
     "device_config",
+    "file_stamp",
+    "stamp_current",
     "stamp_fresh",
     "TUNER_COMMAND",
     "KernelConfig",
@@ -334,12 +336,23 @@ def _load_cached(path: str, mtime_ns: int, why: str, named: bool = False) -> Tun
     return cfg
 
 
-def stamp_fresh(cfg: TuningConfig) -> bool:
-    """Whether the file ``cfg`` was parsed from still has the modification time it had then (one ``stat``);
-    True for built-in defaults. Cached launch plans check this on every call, so an edited tuning file takes
-    effect on the next call."""
-    path, mtime = cfg._stamp
+def file_stamp(cfg: TuningConfig) -> tuple:
+    """``(file, modification time)`` ``cfg`` was parsed from, ``(None, None)`` for built-in defaults: what a cached
+    launch plan keeps to tell, per call, whether its tuning file changed (:func:`stamp_current`)."""
+    return cfg._stamp
+
+
+def stamp_current(stamp: tuple) -> bool:
+    """Whether the file of ``stamp`` (:func:`file_stamp`) still has that modification time (one ``stat``); True for
+    built-in defaults. Cached launch plans check this on every call, so an edited tuning file takes effect on the
+    next call."""
+    path, mtime = stamp
     return path is None or _mtime(path) == mtime
+
+
+def stamp_fresh(cfg: TuningConfig) -> bool:
+    """:func:`stamp_current` of ``cfg``'s file."""
+    return stamp_current(cfg._stamp)
 
 
 def device_config(device=None) -> TuningConfig:

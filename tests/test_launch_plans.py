@@ -146,7 +146,7 @@ def test_stale_plan_is_rebuilt(family, tmp_path):
         cache = moe_ops._FORWARD_PLANS
     call()
     (key, plan), = cache._plans.items()
-    plan.tuning = stale
+    plan.stamp = tuning.file_stamp(stale)
     call()
     assert cache.get(key) is not plan and cache.get(key).fresh()
 

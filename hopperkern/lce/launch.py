@@ -33,7 +33,7 @@ from .._validate import (
     check_same_dtype,
     dot_precision,
 )
-from ..tma.launcher import Launch, PlanCache, alignment_key, env_key
+from ..tma.launcher import Launch, Plan, PlanCache, alignment_key, env_key
 from ..tuning import KernelConfig
 from ._kernels import (
     lce_combine_kernel,
@@ -172,15 +172,11 @@ def _sm_count(device) -> int:
     return cap.sm_count
 
 
-class _ForwardPlan:
+class _ForwardPlan(Plan):
     """What :func:`lce_forward` decides once per problem (see :mod:`hopperkern.tma.launcher`): config, TMA
     decision, vocab splits, and the three launches (label logit when not picked, forward, combine)."""
 
-    __slots__ = ("tuning", "decision", "S", "n_stats", "need_t", "need_sumz", "label", "forward", "combine", "device",
-                 "interpreted")
-
-    def fresh(self) -> bool:
-        return self.tuning is None or _tuning.stamp_fresh(self.tuning)
+    __slots__ = ("decision", "S", "stat_rows", "need_t", "need_sumz", "label", "forward", "combine")
 
 
 _FORWARD_PLANS = PlanCache("lce.forward")
@@ -193,17 +189,13 @@ def _forward_key(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entrop
 
 
 def _stats(plan: _ForwardPlan, N: int, dev):
-    """The forward's per-split statistics (m, s, t, sumz, zl): one allocation, [n_stats, S, N] fp32."""
-    S = plan.S
-    buf = torch.empty((plan.n_stats, S, N), dtype=torch.float32, device=dev).unbind(0)
-    m, s = buf[0], buf[1]
-    i = 2
-    t = buf[i] if plan.need_t else m
-    i += plan.need_t
-    sumz = buf[i] if plan.need_sumz else m
-    i += plan.need_sumz
-    zl = buf[i] if plan.label is None else buf[i][:1]
-    return m, s, t, sumz, zl
+    """The forward's per-split statistics (m, s, t, sumz, zl), [S, N] fp32 each (zl [1, N] without the label
+    pick): views of one allocation."""
+    rows = torch.empty((sum(plan.stat_rows), N), dtype=torch.float32, device=dev).split(plan.stat_rows)
+    m, s = rows[0], rows[1]
+    t = rows[2] if plan.need_t else m
+    sumz = rows[2 + plan.need_t] if plan.need_sumz else m
+    return m, s, t, sumz, rows[-1]
 
 
 def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool,
@@ -212,7 +204,7 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     V, H = weight.shape
     dev = hidden2d.device
     plan = _ForwardPlan()
-    plan.tuning = None if config is not None or _tma.interpreter_active() else _tuning.device_config(dev)
+    plan.bind_source(None if config is not None or _tma.interpreter_active() else _tuning.device_config(dev), dev)
     cfg = config or pick_config("forward", hidden2d.dtype, N, H, dev)
     d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
                                "weight": (weight, (cfg.block_n, cfg.block_k))}, op="lce.forward")
@@ -220,10 +212,8 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     S, tps = forward_plan(N, V, cfg, _sm_count(dev))
     plan.S = S
     need_sumz = opts.label_smoothing > 0
-    plan.n_stats = 3 + need_entropy + need_sumz
+    plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if pick_label else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
-    plan.device = hidden2d.get_device()
-    plan.interpreted = _tma.interpreter_active()
     f32 = dict(dtype=torch.float32, device=dev)
     one = torch.empty((1, N), **f32)  # stands for every [S, N] / [N] buffer: Launch keeps only dtypes
     has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
@@ -454,14 +444,11 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
 
 
-class _BackwardPlan:
+class _BackwardPlan(Plan):
     """What :func:`lce_backward` decides once per problem: config, TMA decision, the d(logits) slice buffer's
     pitch, and per vocab slice its two launches."""
 
-    __slots__ = ("tuning", "decision", "ld", "slices", "mm_out_dtype", "interpreted")
-
-    def fresh(self) -> bool:
-        return self.tuning is None or _tuning.stamp_fresh(self.tuning)
+    __slots__ = ("decision", "ld", "slices", "mm_out_dtype")
 
 
 _BACKWARD_PLANS = PlanCache("lce.backward")
@@ -473,8 +460,7 @@ def _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts: LceOptions
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
     plan = _BackwardPlan()
-    plan.interpreted = _tma.interpreter_active()
-    plan.tuning = None if config is not None or plan.interpreted else _tuning.device_config(dev)
+    plan.bind_source(None if config is not None or _tma.interpreter_active() else _tuning.device_config(dev), dev)
     cfg = config or pick_config("backward", dt, N, H, dev)
     vs = _slice_cols(N, V, cfg.block_n, hidden2d.element_size())
     plan.ld = cdiv(vs, 64) * 64  # row pitch of the slice buffer: 128-byte aligned rows for TMA stores

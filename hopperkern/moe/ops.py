@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from ..tma import decide, interpreter_active, launch_context, record_decision
-from ..tma.launcher import PlanCache, alignment_key, current_device, env_key, run_steps
-from ..tuning import KernelConfig, MoeConfig, device_config, stamp_fresh
+from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, run_steps
+from ..tuning import KernelConfig, MoeConfig, device_config
 from .align import AlignPlan, align_steps, direct_plan, max_blocks_for, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
 from .configs import moe_launch_config
@@ -117,7 +117,7 @@ def moe_forward_run(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tenso
            deterministic, None if config is None else tuple(config), save, env_key(),
            alignment_key(hidden, w13, w2, topk_weights, topk_ids))
     plan = _FORWARD_PLANS.get(key)
-    if plan is not None and plan.fresh() and not plan.interpreted and plan.device == current_device():
+    if plan is not None and plan.fresh() and plan.launch_here():
         if check:
             check_expert_ids(topk_ids, E)
         return plan.run(hidden, w13, w2, topk_weights, topk_ids)
@@ -144,10 +144,10 @@ def _empty_problem(hidden, w13, topk_ids, config, save):
 
 
 _FORWARD_PLANS = PlanCache("moe.forward")
-_I32_ALIGN = 4  # int32 elements: 16 bytes, so every piece of one allocation starts aligned
+_ALIGN_ELEMS = 8  # pieces of one allocation start 16-byte aligned (8 elements of 2 bytes or more)
 
 
-class ForwardPlan:
+class ForwardPlan(Plan):
     """What one fused_moe problem decides on the host once: the config, direct or sorted alignment, the TMA
     decisions of both GEMMs, buffer shapes and every launch, as ``(Launch, tensor names)`` steps over the
     call's tensors (:func:`hopperkern.tma.launcher.run_steps`)."""
@@ -157,9 +157,7 @@ class ForwardPlan:
         E, two_i, _ = w13.shape
         I, k = two_i // 2, topk_ids.shape[1]  # noqa: E741
         dev = hidden.device
-        self.interpreted = interpreter_active()
-        self.device = hidden.get_device()
-        self.tuning = None if config is not None or self.interpreted else device_config(dev)
+        self.bind_source(None if config is not None or interpreter_active() else device_config(dev), dev)
         cfg = _config(hidden, w13, w2, topk_ids, config)
         self.save, self.E, self.I = save, E, I
         self.direct = save == SAVE_NONE and prefer_direct(T, k, E)
@@ -173,12 +171,18 @@ class ForwardPlan:
                           expert_offsets=(E + 1,), expert_counts=(E,), num_blocks=(1,))
             shapes.update(scratch_shapes(T * k, E))
             self.i32 = shapes
-            self.i32_sizes = [-(-_numel(v) // _I32_ALIGN) * _I32_ALIGN for v in shapes.values()]
+            self.i32_sizes = [_round_up(_numel(v), _ALIGN_ELEMS) for v in shapes.values()]
+            self.i32_total = sum(self.i32_sizes)
         self.rows = sample.max_rows
         self.out_shape = (T, H)
         self.fused_topk = self.direct and cfg.fused_topk
         self.deterministic = deterministic or self.fused_topk
         self.buf_shape = None if self.fused_topk else slot_buffer_shape(T, k, H, deterministic)
+        self.ids_flat = topk_ids.is_contiguous()
+        per_slot = self.deterministic and not self.fused_topk
+        self.scratch_sizes = [_round_up(self.rows * I, _ALIGN_ELEMS)] + ([_round_up(T * k * H, _ALIGN_ELEMS)]
+                                                                          if per_slot else [])
+        self.scratch_total = sum(self.scratch_sizes)
         env = self._env(hidden, w13, w2, topk_weights, topk_ids)
         d1 = decide(tma, dict(w13=(w13, (1, cfg.gemm1.block_n, cfg.gemm1.block_k)),
                               inter=(env["inter"], (bm, cfg.gemm1.block_n)),
@@ -196,44 +200,49 @@ class ForwardPlan:
             steps += slot_steps(env, sample, cfg.gemm2, d2["inter"], d2["w2"], deterministic)
         self.steps = steps
 
-    def fresh(self) -> bool:
-        return self.tuning is None or stamp_fresh(self.tuning)
-
-    def _env(self, hidden, w13, w2, topk_weights, topk_ids) -> dict:
-        """The call's tensors by step name: inputs, and fresh outputs and scratch."""
+    def _env(self, hidden, w13, w2, topk_weights, topk_ids, *, shaped: bool = True) -> dict:
+        """The call's tensors by step name: inputs, and fresh outputs and scratch. ``shaped=False`` (calls after
+        the first): scratch as flat views of as few allocations as possible (kernels read base pointers only;
+        shapes and strides are fixed in the launches)."""
         dev, dt = hidden.device, hidden.dtype
-        ids = topk_ids.reshape(-1)
+        ids = topk_ids if self.ids_flat and not shaped else topk_ids.reshape(-1)
         env = dict(hidden=hidden, w13=w13, w2=w2, tw=topk_weights, ids=ids)
         if self.direct:
             env.update(slots=ids, block_expert=ids, num_blocks=ids)
-        elif self.save == SAVE_NONE:
+        elif self.save == SAVE_NONE and not shaped:
             # One allocation for the plan and the scratch (nothing of it leaves the call).
-            pieces = torch.empty(sum(self.i32_sizes), dtype=torch.int32, device=dev).split(self.i32_sizes)
-            for (name, shape), piece in zip(self.i32.items(), pieces):
-                env[name] = piece[:_numel(shape)].view(shape)
+            env.update(zip(self.i32, torch.empty(self.i32_total, dtype=torch.int32, device=dev).split(self.i32_sizes)))
         else:
             # Returned to autograd: custom-op outputs may not share storage.
             for name, shape in self.i32.items():
                 env[name] = torch.empty(shape, dtype=torch.int32, device=dev)
         if not self.direct:
             env["slots"] = env["sorted_slots"]
-        env["inter"] = inter = torch.empty((self.rows, self.I), dtype=dt, device=dev)
-        if self.save == SAVE_PRE:
-            env["pre"] = pre = torch.empty((self.rows, 2 * self.I), dtype=dt, device=dev)
-            env["pre_gate"], env["pre_up"] = pre[:, :self.I], pre[:, self.I:]
-        else:
-            env["pre_gate"] = env["pre_up"] = inter
         out = torch.empty(self.out_shape, dtype=dt, device=dev)
-        if self.fused_topk:
+        per_slot = self.deterministic and not self.fused_topk
+        if self.save == SAVE_NONE and not shaped:
+            # inter and the per-slot rows: one allocation.
+            pieces = torch.empty(self.scratch_total, dtype=dt, device=dev).split(self.scratch_sizes)
+            env["inter"] = env["pre_gate"] = env["pre_up"] = pieces[0]
+            if per_slot:
+                env["buf"] = pieces[1]
+        else:
+            env["inter"] = inter = torch.empty((self.rows, self.I), dtype=dt, device=dev)
+            if self.save == SAVE_PRE:
+                env["pre"] = pre = torch.empty((self.rows, 2 * self.I), dtype=dt, device=dev)
+                env["pre_gate"], env["pre_up"] = pre[:, :self.I], pre[:, self.I:]
+            else:
+                env["pre_gate"] = env["pre_up"] = inter
+            if per_slot:
+                env["buf"] = torch.empty(self.buf_shape, dtype=dt, device=dev)
+        if self.fused_topk or per_slot:
             env["out"] = out
-        elif self.deterministic:
-            env["buf"], env["out"] = torch.empty(self.buf_shape, dtype=dt, device=dev), out
         else:
             env["buf"] = env["out"] = torch.empty(self.buf_shape, dtype=torch.float32, device=dev)
         return env
 
-    def run(self, hidden, w13, w2, topk_weights, topk_ids):
-        env = self._env(hidden, w13, w2, topk_weights, topk_ids)
+    def run(self, hidden, w13, w2, topk_weights, topk_ids, *, shaped: bool = False):
+        env = self._env(hidden, w13, w2, topk_weights, topk_ids, shaped=shaped or self.interpreted)
         for d in self.decisions:
             record_decision(d)
         run_steps(self.steps, env)
@@ -244,6 +253,10 @@ class ForwardPlan:
             return out, None, None, None, None, None  # moe_forward_impl fills in (distinct) empty tensors
         pre = env["pre"] if self.save == SAVE_PRE else _empty(hidden, 0, 2 * self.I)
         return out, pre, env["sorted_slots"], env["block_expert"], env["expert_offsets"], env["num_blocks"]
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 def _numel(shape) -> int:

@@ -27,8 +27,9 @@ import os
 import threading
 
 from .capability import _numbers, _triton_version, interpreter_active
+from .descriptors import ensure_allocator
 
-__all__ = ["Launch", "PlanCache", "alignment_key", "clear_plans", "current_device", "direct_launch_supported",
+__all__ = ["Launch", "Plan", "PlanCache", "alignment_key", "clear_plans", "current_device", "direct_launch_supported",
            "env_key", "run_steps"]
 
 _DIRECT_TRITON = ((3, 6), (3, 10))  # [low, high): versions whose launch call this module mirrors
@@ -42,13 +43,18 @@ def direct_launch_supported() -> bool:
     return v is not None and _DIRECT_TRITON[0] <= _numbers(v)[:2] < _DIRECT_TRITON[1]
 
 
-@functools.lru_cache(maxsize=None)
-def _runtime():
-    """(triton's runtime knobs, the current-stream getter, the current-device getter)."""
-    import torch
-    from triton import knobs
+_RUNTIME: tuple = ()
 
-    return knobs.runtime, torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice
+
+def _runtime():
+    """(triton's runtime knobs, the current-stream getter, the current-device getter), looked up once."""
+    global _RUNTIME
+    if not _RUNTIME:
+        import torch
+        from triton import knobs
+
+        _RUNTIME = (knobs.runtime, torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice)
+    return _RUNTIME
 
 
 def _hooks_idle(rt) -> bool:
@@ -122,6 +128,36 @@ def clear_plans() -> None:
             cache.clear()
 
 
+class Plan:
+    """Base of the ops' launch plans: where a plan launches and the tuning file it was built from.
+
+    ``stamp`` is :func:`hopperkern.tuning.file_stamp` of that file ((None, None) for none: defaults, a config
+    given by the caller, the interpreter); :meth:`fresh` is checked on every call, one ``stat``."""
+
+    __slots__ = ("stamp", "device", "interpreted")
+
+    def bind_source(self, tuning_config, device) -> None:
+        """Record ``tuning_config`` (a TuningConfig, or None) and the device this plan is built for."""
+        from ..tuning import file_stamp
+
+        self.stamp = (None, None) if tuning_config is None else file_stamp(tuning_config)
+        self.device = device.index if device.type == "cuda" else -1
+        self.interpreted = interpreter_active()
+
+    def fresh(self) -> bool:
+        path, mtime = self.stamp
+        if path is None:
+            return True
+        from ..tuning import stamp_current
+
+        return stamp_current(self.stamp)
+
+    def launch_here(self) -> bool:
+        """Whether this call may skip the launch context (device guard, interpreter checks): a GPU plan whose
+        device is the current one."""
+        return not self.interpreted and self.device == current_device()
+
+
 class Launch:
     """One kernel launch with everything but its tensors fixed: ``Launch(kernel, grid, *args, **kwargs)``
     takes the arguments of ``kernel[grid](*args, **kwargs)``; calling it with the tensors, in the order they
@@ -163,15 +199,13 @@ class Launch:
     def __call__(self, *tensors) -> None:
         c = self.compiled
         if c is not None:
-            rt, stream_of, device_of = _runtime()
+            rt, stream_of, device_of = _RUNTIME or _runtime()
             dev = device_of()
             if dev == self.device and _hooks_idle(rt) and self._matches(tensors):
                 args = self.template.copy()
                 for p, t in zip(self.tensor_pos, tensors):
                     args[p] = t
                 if self.scratch:
-                    from .descriptors import ensure_allocator
-
                     ensure_allocator()
                 g = self.grid
                 c.run(g[0], g[1], g[2], stream_of(dev), c.function, c.packed_metadata, None, None, None, *args)
