@@ -172,7 +172,7 @@ def _sm_count(device) -> int:
 
 def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
                 *, need_entropy: bool = True, config: KernelConfig | None = None, pick_label: bool = True,
-                stats_only: bool = False):
+                stats_only: bool = False, z_out: torch.Tensor | None = None):
     """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N].
 
     loss includes label smoothing and z-loss (0 at ignored tokens); logprob is 0 at ignored tokens; entropy
@@ -187,6 +187,9 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     ``stats_only`` (N >= 1; the vocab-parallel path, :mod:`.distributed`, merges them across ranks): return the
     per-split statistics ``(m, s, t, sumz, zl)`` instead, each fp32 [S, N] (zl [1, N] without ``pick_label``),
     as :func:`combine_stats` takes them; t (sumz) is ``m`` itself when entropy (label smoothing) is not asked for.
+
+    ``z_out`` (with ``pick_label``; the 3-pass SFT path, :mod:`.sft`): an fp32 [N, >= V] buffer with unit column
+    stride that receives the final logits of every token, written by the same kernel.
     """
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     N = hidden2d.shape[0]
@@ -216,15 +219,16 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
             weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
             BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
         )
+    store_z = z_out is not None
     grid = (cdiv(N, cfg.block_m) * S,)
     lce_forward_kernel[grid](
-        hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl,
+        hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl, z_out if store_z else m,
         N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
-        softcap, opts.inv_temp,
+        z_out.stride(0) if store_z else 0, softcap, opts.inv_temp,
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
         HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
-        PICK_LABEL=pick_label, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PICK_LABEL=pick_label, STORE_Z=store_z, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if stats_only:
         return m, s, t, sumz, zl
@@ -257,17 +261,23 @@ def _slice_cols(N: int, V: int, block_v: int, elem: int) -> int:
     return min(cols, cdiv(V, block_v) * block_v)
 
 
-def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b with fp32 accumulation and no low-precision partial sum."""
+def fast_mm_f32(a: torch.Tensor) -> bool:
+    """Whether :func:`_acc_mm_f32` runs ``a`` (an fp32 or 16-bit GEMM operand) without fp32 copies of it."""
+    return a.dtype == torch.float32 or (a.is_cuda and _tma.torch_mm_out_dtype(a.device, a.dtype))
+
+
+def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: int = 1) -> None:
+    """acc (fp32) = beta * acc + a @ b with fp32 accumulation and no low-precision partial sum (beta 0 or 1; with
+    0 whatever acc held, NaN included, is ignored)."""
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif acc.is_cuda and _tma.torch_mm_out_dtype(acc.device, a.dtype):
-        # cuBLAS: bf16/fp16 inputs, fp32 accumulate and fp32 C, beta = 1.
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        acc.addmm_(a, b, beta=beta)
+    elif fast_mm_f32(a):
+        # cuBLAS: bf16/fp16 inputs, fp32 accumulate and fp32 C.
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
     else:
-        # CPU (tests), or a torch without out_dtype: the same arithmetic through fp32 copies of this slice
-        # (bounded by DLOGITS_BUDGET for ``a``; ``b`` is the slice's [Vs, H] weight rows).
-        acc.addmm_(a.float(), b.float())
+        # CPU (tests), or a torch without out_dtype: the same arithmetic through fp32 copies of the operands,
+        # which callers bound by slicing (DLOGITS_BUDGET for ``a`` here; ``b`` is a slice's [Vs, H] weight rows).
+        acc.addmm_(a.float(), b.float(), beta=beta)
 
 
 def _check_logprob(logprob, N: int) -> None:
