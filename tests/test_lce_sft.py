@@ -38,6 +38,7 @@ from hopperkern import lce, tma
 from hopperkern.lce import reference as ref
 from hopperkern.lce import sft
 from hopperkern.lce.ops import lce_sft_backward_op, lce_sft_forward_op
+from hopperkern.tuning import KernelConfig
 
 THREE, FOUR = dict(sft_path="3pass"), dict(sft_path="4pass")
 SAME_ORDER_RTOL = 2e-6  # 3-pass vs 4-pass in fp32: the same math, summed in another order
@@ -250,6 +251,17 @@ def test_memory_rule_on_real_shapes(N, H, V, three):
     assert sft.use_3pass("3pass", N, V, H, 2) and not sft.use_3pass("4pass", N, V, H, 2)
     assert sft.extra_bytes(N, V, H, 2) >= N * V * 2
     assert sft.chunk_rows(128256, 128) * sft.padded_cols(128256) * 4 <= sft.LOGITS_CHUNK_BUDGET
+
+
+def test_store_z_config():
+    """The logits-storing forward keeps tiles under 128 x 128 and re-tiles larger ones to the 128 x 128 x 64,
+    8-warp, 4-stage config that compiles for sm_90 without spills within its shared memory."""
+    small = KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    assert sft.store_z_config(small) == small
+    big = sft.store_z_config(KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8,
+                                          num_stages=3, flatten=True))
+    assert big == KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4,
+                               flatten=True)
 
 
 PATH_ERRORS = [

@@ -37,7 +37,7 @@ from ._kernels import lce_sft_dlogits_kernel
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "LOGITS_CHUNK_BUDGET", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
-           "extra_bytes", "budget_bytes", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
+           "extra_bytes", "budget_bytes", "store_z_config", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
 
 SFT_PATHS = ("auto", "3pass", "4pass")
 EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
@@ -95,6 +95,21 @@ def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int) -> bool:
     return extra_bytes(N, V, H, elem) <= budget_bytes(V, H)
 
 
+_STORE_Z_TILE = 128 * 128  # BLOCK_N x BLOCK_V from which a forward that stores its logits is re-tiled
+
+
+def store_z_config(cfg: KernelConfig) -> KernelConfig:
+    """The forward's launch config when it also stores its fp32 logits (STORE_Z). The store converts each tile
+    to a coalesced layout through shared memory (BLOCK_N x BLOCK_V x 4 bytes): at 128 x 256 that is 128 KB
+    beside a 3-stage pipeline's 144 KB, over sm_90's 227 KB, and the tile's addresses spill registers (so do
+    128 x 128 tiles with 4 warps, and 128 x 128 x 128 with 3 stages needs 256 KB). So tiles of 128 x 128 or more
+    run as 128 x 128 x 64 with 8 warps and 4 stages (192 KB, no spills: ``benchmarks/compile_lce_sm90.py``);
+    smaller ones (fp32 inputs, the interpreter) as tuned."""
+    if cfg.block_m * cfg.block_n < _STORE_Z_TILE:
+        return cfg
+    return cfg.model_copy(update=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4))
+
+
 def _row_blocks() -> tuple[int, int]:
     # The d(logits) kernel is memory-bound: wide tiles for the GPU, small ones for the interpreter (cost per tile).
     return (16, 32) if _tma.interpreter_active() else (32, 256)
@@ -117,7 +132,7 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
     # The upstream gradient of each kept token's loss, on the device (no host sync): 1 / kept tokens for "mean".
     scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
-    cfg = config or pick_config("forward", hidden2d.dtype, N, H)
+    cfg = config or store_z_config(pick_config("forward", hidden2d.dtype, N, H))
     C = min(N, chunk_rows(V, cfg.block_m))
     z = torch.empty((C, ld), dtype=f32, device=dev)
     bn, bv = _row_blocks()
