@@ -243,18 +243,25 @@ def test_backward_uses_fp32_accumulating_cublas_and_stays_in_memory_budget():
         for dt in (torch.bfloat16, torch.float16):
             assert tma.torch_mm_out_dtype(DEV, dt), f"torch >= 2.11 has addmm(out_dtype=fp32) for {dt} on CUDA"
     N, V, H = 8192, 128256, 1024
+    extra, grads = _sum_loss_peak_extra((N, V, H), "4pass")
+    budget = N * H * 4 + launch.DLOGITS_BUDGET + grads + 32 * 2**20
+    assert extra <= budget, f"backward peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+def _sum_loss_peak_extra(shape, sft_path):
+    """(peak memory beyond the inputs, bytes of the bf16 grads) of a bf16 sum loss's forward + backward at
+    ``shape`` on ``sft_path``, asserting which path ran."""
+    N, V, H = shape
     inp = make_inputs((N, V, H), dtype=torch.bfloat16, device=DEV)
     h = inp.hidden.detach().requires_grad_()
     w = inp.weight.detach().requires_grad_()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    lce.linear_cross_entropy(h, w, inp.labels, reduction="sum").backward()
+    with expect_path("auto", sft=sft_path != "4pass"):
+        lce.linear_cross_entropy(h, w, inp.labels, reduction="sum", sft_path=sft_path).backward()
     torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    grads = (N * H + V * H) * 2
-    budget = N * H * 4 + launch.DLOGITS_BUDGET + grads + 32 * 2**20
-    assert extra <= budget, f"backward peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+    return torch.cuda.max_memory_allocated() - base, (N * H + V * H) * 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -307,16 +314,6 @@ def test_sft_3pass_memory_within_its_budget():
 
     N, V, H = 8192, 128256, 4096
     assert sft.use_3pass("auto", N, V, H, 2)
-    inp = make_inputs((N, V, H), dtype=torch.bfloat16, device=DEV)
-    h = inp.hidden.detach().requires_grad_()
-    w = inp.weight.detach().requires_grad_()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    with expect_path("auto", sft=True):
-        lce.linear_cross_entropy(h, w, inp.labels, reduction="sum").backward()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    grads = (N * H + V * H) * 2
+    extra, grads = _sum_loss_peak_extra((N, V, H), "auto")
     budget = sft.budget_bytes(V, H) + grads + 32 * 2**20
     assert extra <= budget, f"3-pass peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
