@@ -8,6 +8,11 @@ Shapes are N tokens x H hidden x V vocabulary. Floors (cuBLAS bf16, this run): 1
 ``sft`` = sum-loss forward + backward (floor 3G); ``rl`` = log-probs + entropy forward + backward with per-token
 upstream grads (floor 4G). A ratio of 1.0 is as fast as cuBLAS doing only those GEMMs; lower is better.
 
+SFT paths: the ``hopperkern`` provider runs ``sft_path="auto"`` (the 3-pass path where N x V d(logits) fit
+V x H x 4 bytes + 512 MiB, else the 4-pass one); ``hopperkern-3pass`` and ``hopperkern-4pass`` force each path
+on every shape (sft rows only), side by side with their peak extra memory. The CSV's ``sft_path`` column says
+which path each hopperkern sft row ran.
+
 Timing: every provider and every floor is timed with calls enqueued back to back and one synchronisation at the
 end (benchmarks.common.time_cuda(back_to_back=True)), as in a training loop: host work overlaps the previous
 call's kernels, while a sync inside an op (hopperkern's default label check) still counts.
@@ -40,7 +45,9 @@ MODES = {  # mode: what one timed call does (the plot's panel titles)
     "rl": "rl: log-probs + entropy, forward + backward (floor 4G = 3G + 1G)",
 }
 PROVIDERS = {  # provider: what it runs (the plot's legend)
-    "hopperkern": "hopperkern, tma='auto' (TMA for every eligible operand)",
+    "hopperkern": "hopperkern, tma='auto' (TMA for every eligible operand); sft: sft_path='auto'",
+    "hopperkern-3pass": "hopperkern, tma='auto', sft_path='3pass' (d(logits) kept from the forward; sft only)",
+    "hopperkern-4pass": "hopperkern, tma='auto', sft_path='4pass' (logits recomputed in the backward; sft only)",
     "hopperkern-ptr": "hopperkern, tma='never' (pointer loads only)",
     "torch": "torch: h @ w.T, then F.cross_entropy / log_softmax on fp32 logits",
     "torch.compile": "torch.compile of the torch provider",
@@ -53,9 +60,9 @@ RATIO_TOP = 3.0  # the plot's y limit: taller bars are cut there and labelled wi
 def _providers(compile_ok: bool):
     from hopperkern import lce
 
-    def hk(tma):
+    def hk(tma, sft_path="auto"):
         def sft(h, w, y):
-            return lce.linear_cross_entropy(h, w, y, reduction="sum", tma=tma)
+            return lce.linear_cross_entropy(h, w, y, reduction="sum", tma=tma, sft_path=sft_path)
 
         def rl(h, w, y):
             return lce.linear_logprobs_entropy(h, w, y, tma=tma)
@@ -69,7 +76,9 @@ def _providers(compile_ok: bool):
         logp = torch.log_softmax((h @ w.T).float(), -1)
         return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
-    provs = {"hopperkern": hk("auto"), "hopperkern-ptr": hk("never"), "torch": (torch_sft, torch_rl)}
+    provs = {"hopperkern": hk("auto"), "hopperkern-3pass": (hk("auto", "3pass")[0], None),
+             "hopperkern-4pass": (hk("auto", "4pass")[0], None), "hopperkern-ptr": hk("never"),
+             "torch": (torch_sft, torch_rl)}
     if compile_ok:
         provs["torch.compile"] = (torch.compile(torch_sft, dynamic=False), torch.compile(torch_rl, dynamic=False))
     try:
@@ -85,6 +94,17 @@ def _providers(compile_ok: bool):
     except Exception:
         pass
     return provs
+
+
+def _sft_path(provider, mode, N, H, V):
+    """Which SFT path a hopperkern provider's sft row ran ("3pass" / "4pass"; "" for other rows): a forced one,
+    or what sft_path="auto" picks for bf16 at this shape (hopperkern.lce.sft.use_3pass)."""
+    if mode != "sft" or not provider.startswith("hopperkern"):
+        return ""
+    from hopperkern.lce import sft
+
+    forced = provider.rsplit("-", 1)[-1]
+    return "3pass" if sft.use_3pass(forced if forced in ("3pass", "4pass") else "auto", N, V, H, 2) else "4pass"
 
 
 def _floors(h, w, reps):
@@ -158,7 +178,7 @@ def run_case(N, H, V, provs, reps, with_errors, ceilings):
                     out["lp"], out["ent"] = lp, ent
                     (lp * g1 + ent * g2).sum().backward()
 
-            row = dict(base, provider=name, mode=mode, floor=FLOORS[mode])
+            row = dict(base, provider=name, mode=mode, floor=FLOORS[mode], sft_path=_sft_path(name, mode, N, H, V))
             try:
                 step()  # warm-up / compile
                 torch.cuda.synchronize()
@@ -249,11 +269,12 @@ def table(rows):
     from rich.table import Table
 
     t = Table(title="LCE: time / cuBLAS floor (same run), extra MiB, errors vs fp32")
-    for c in ("shape", "provider", "mode", "ms", "ratio", "floor", "MiB", "err dH", "err dW"):
+    for c in ("shape", "provider", "mode", "path", "ms", "ratio", "floor", "MiB", "err dH", "err dW"):
         t.add_column(c)
     for r in rows:
         f = (lambda k, fmt: (fmt % r[k]) if r.get(k) is not None else "-")
-        t.add_row(f"{r['N']}x{r['H']}x{r['V']}", r["provider"], r["mode"], f("time_ms", "%.2f"),
+        t.add_row(f"{r['N']}x{r['H']}x{r['V']}", r["provider"], r["mode"], r.get("sft_path") or "",
+                  f("time_ms", "%.2f"),
                   f("ratio", "%.3f"), r["floor"], f("extra_mem_mib", "%.0f"), f("err_dh", "%.2e"),
                   f("err_dw", "%.2e") if "error" not in r else r["error"][:40])
     Console(width=160).print(t)

@@ -15,6 +15,8 @@ def main() -> int:
 
     from benchmarks.compile_moe_sm90 import _ptxas_stats, _signature
     from hopperkern.lce import _kernels as K
+    from hopperkern.lce.sft import store_z_config
+    from hopperkern.tuning import KernelConfig
     from hopperkern.matmul import _matmul_kernel
 
     failed = 0
@@ -37,14 +39,20 @@ def main() -> int:
         for tma in (False, True):
             for fl in (False, True):
                 tag = f"{bn}x{bv}x{bk} w{w} s{st} tma={int(tma)} flatten={int(fl)}"
-                comp(f"lce_forward  {tag}", K.lce_forward_kernel,
-                     dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", m_ptr="fp32", s_ptr="fp32",
-                          t_ptr="fp32", sumz_ptr="fp32", zl_ptr="fp32", N=N, V=V, H=H, S=17, tiles_per_split=30, stride_hn=H, stride_hk=1,
-                          stride_wv=H, stride_wk=1, softcap=1.0, inv_temp=1.0),
-                     dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
-                          NEED_T=True, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma, DOT_PRECISION="tf32",
-                          PICK_LABEL=True),
-                     w, st)
+                # STORE_Z (the 3-pass SFT forward: fp32 logits out, no entropy) runs with sft.store_z_config of
+                # the tuned config: compiled once, for the tiles it keeps.
+                cfg = KernelConfig(block_m=bn, block_n=bv, block_k=bk, num_warps=w, num_stages=st)
+                keeps = store_z_config(cfg) == cfg or (bn, bv, bk, w, st) == (128, 128, 64, 8, 4)
+                for store_z in (False, True) if keeps else (False,):
+                    comp(f"lce_forward  {tag} store_z={int(store_z)}", K.lce_forward_kernel,
+                         dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", m_ptr="fp32",
+                              s_ptr="fp32", t_ptr="fp32", sumz_ptr="fp32", zl_ptr="fp32", z_ptr="fp32", N=N, V=V,
+                              H=H, S=17, tiles_per_split=30, stride_hn=H, stride_hk=1, stride_wv=H, stride_wk=1,
+                              stride_zn=V, softcap=1.0, inv_temp=1.0),
+                         dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
+                              NEED_T=not store_z, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
+                              DOT_PRECISION="tf32", PICK_LABEL=True, STORE_Z=store_z),
+                         w, st)
                 comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,
                      dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32",
                           ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", d_ptr="bf16",
@@ -61,6 +69,13 @@ def main() -> int:
                   gz_ptr="fp32", logprob_ptr="fp32", d_ptr="bf16", N=N, V_total=V, col_begin=0, ncols=8192,
                   stride_dn=8192, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=30.0, inv_temp=1.0),
              dict(BLOCK_N=128, SOFTCAP=softcap, HAS_GL=True, HAS_GP=True, HAS_GE=True, HAS_GZ=True), 4, 1)
+    for tma in (False, True):
+        for softcap in (False, True):
+            comp(f"lce_sft_dlogits 32x256 tma={int(tma)} softcap={int(softcap)}", K.lce_sft_dlogits_kernel,
+                 dict(z_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32", scale_ptr="fp32",
+                      d_ptr="bf16", N=512, V=V, stride_zn=V, stride_dn=V, ignore_index=-100, label_smoothing=0.0,
+                      z_loss=0.0, softcap=30.0, inv_temp=1.0),
+                 dict(BLOCK_N=32, BLOCK_V=256, SOFTCAP=softcap, Z_TMA=tma, D_TMA=tma), 4, 1)
     for tma in (False, True):
         comp(f"matmul 64x64x32 tma={int(tma)}", _matmul_kernel,
              dict(a_ptr="bf16", b_ptr="bf16", c_ptr="bf16", M=1024, N=1024, K=1024, stride_am=1024, stride_ak=1,

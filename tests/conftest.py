@@ -143,3 +143,13 @@ def run_in_thread(fn):
     if "err" in box:
         raise box["err"]
     return box["out"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Every test starts without cached launch plans: tests that monkeypatch a launcher's helpers (split plans,
+    buffer budgets, configs) must see them used, not a plan an earlier test cached for the same shapes."""
+    from hopperkern.tma.launcher import clear_plans
+
+    clear_plans()
+    yield

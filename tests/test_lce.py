@@ -29,7 +29,7 @@ from hopperkern.tuning import KernelConfig
 MODES = ("never", "always")
 SHAPE = (37, 100, 40)  # N, V, H: a tail in every tiled dim, 3 row blocks x 4 vocab tiles under the interpreter
 SMALL = (19, 70, 40)  # still a tail in every dim, half the tiles: for behaviour rather than numerics
-FWD, BWD = "lce.forward", "lce.backward"
+FWD, BWD, SFT = "lce.forward", "lce.backward", "lce.sft_dlogits"  # SFT: d(logits) of the 3-pass path
 FP32_RTOL = 1e-5
 
 
@@ -229,23 +229,30 @@ def torch_lowp_logprobs_entropy(h, w, lab, *, temperature=1.0, ignore_index=-100
 
 
 def expected_use(mode, *, hidden=True, weight=True):
-    """TmaDecision.use of both LCE launches: all pointers for "never"; otherwise TMA for every eligible operand."""
+    """TmaDecision.use of the LCE launches: all pointers for "never"; otherwise TMA for every eligible operand."""
     on = mode != "never"
     return {FWD: {"hidden": on and hidden, "weight": on and weight},
-            BWD: {"hidden": on and hidden, "weight": on and weight, "dlogits": on}}
+            BWD: {"hidden": on and hidden, "weight": on and weight, "dlogits": on},
+            SFT: {"logits": on, "dlogits": on}}
 
 
 @contextlib.contextmanager
-def expect_path(mode, *, backward=True, hidden=True, weight=True):
-    """Assert that the block launched the forward (and backward) with ``mode`` and the expected per-operand
-    TMA choice (a fresh decision object per launch proves the launch happened inside the block)."""
-    ops = (FWD, BWD) if backward else (FWD,)
-    before = {op: tma.decision_count(op) for op in ops}
+def expect_path(mode, *, backward=True, hidden=True, weight=True, sft=None):
+    """Assert that the block launched the forward (and the d(logits) kernel of a backward) with ``mode`` and the
+    expected per-operand TMA choice (the ops' launch counts prove the launch happened inside the block).
+    d(logits) comes from the 4-pass backward (BWD) or the 3-pass forward (SFT): ``sft`` True or False asks for
+    one of them, None takes either."""
+    before = {op: tma.decision_count(op) for op in (FWD, BWD, SFT)}
     yield
     want = expected_use(mode, hidden=hidden, weight=weight)
-    for op in ops:
+    launched = {op for op in before if tma.decision_count(op) > before[op]}
+    assert FWD in launched, f"{FWD} was not launched"
+    if backward:
+        wanted = {None: {BWD, SFT}, True: {SFT}, False: {BWD}}[sft]
+        assert launched & wanted, f"none of {sorted(wanted)} was launched (launched: {sorted(launched)})"
+        assert not (launched - wanted - {FWD}), f"{sorted(launched - wanted - {FWD})} launched too"
+    for op in launched:
         d = tma.last_decision(op)
-        assert d is not None and tma.decision_count(op) > before[op], f"{op} was not launched"
         assert (d.mode, dict(d.use)) == (mode, want[op]), d
 
 
@@ -458,12 +465,12 @@ def test_confident_batch_exposes_double_rounding():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_several_vocab_slices_in_backward(mode, monkeypatch):
-    """A small d(logits) budget cuts the backward into 4 vocab slices of 32 columns (the last of 4): labels and
-    bias grads land in the right slice."""
+    """A small d(logits) budget cuts the 4-pass backward into 4 vocab slices of 32 columns (the last of 4): labels
+    and bias grads land in the right slice."""
     case = CASES[-1]
     monkeypatch.setattr(launch, "DLOGITS_BUDGET", SHAPE[0] * 4 * 32)
-    check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode), case.fn(ref.linear_cross_entropy), case.inputs(),
-               case.ups())
+    check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, sft_path="4pass"), case.fn(ref.linear_cross_entropy),
+               case.inputs(), case.ups(), path=dict(sft=False))
 
 
 @pytest.mark.parametrize("N, V, sm_count", [(37, 100, 1), (37, 100, 4), (1, 128256, 132), (8192, 128256, 132),
@@ -513,7 +520,9 @@ def test_label_pick_only_when_a_backward_follows(monkeypatch):
     (a backward will need p - 1 to full precision), and take the cheaper row dot product otherwise."""
     seen = []
     real = launch.lce_forward
-    monkeypatch.setattr("hopperkern.lce.ops.lce_forward", lambda *a, **k: seen.append(k["pick_label"]) or real(*a, **k))
+    spy = lambda *a, **k: seen.append(k["pick_label"]) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr("hopperkern.lce.ops.lce_forward", spy)
+    monkeypatch.setattr("hopperkern.lce.sft.lce_forward", spy)  # the 3-pass path of a differentiable mean loss
     inp = make_inputs(SMALL)
     w = inp.weight.clone().requires_grad_()
     lce.linear_logprobs_entropy(inp.hidden, w, inp.labels)

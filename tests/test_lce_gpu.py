@@ -243,15 +243,77 @@ def test_backward_uses_fp32_accumulating_cublas_and_stays_in_memory_budget():
         for dt in (torch.bfloat16, torch.float16):
             assert tma.torch_mm_out_dtype(DEV, dt), f"torch >= 2.11 has addmm(out_dtype=fp32) for {dt} on CUDA"
     N, V, H = 8192, 128256, 1024
+    extra, grads = _sum_loss_peak_extra((N, V, H), "4pass")
+    budget = N * H * 4 + launch.DLOGITS_BUDGET + grads + 32 * 2**20
+    assert extra <= budget, f"backward peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+def _sum_loss_peak_extra(shape, sft_path):
+    """(peak memory beyond the inputs, bytes of the bf16 grads) of a bf16 sum loss's forward + backward at
+    ``shape`` on ``sft_path``, asserting which path ran."""
+    N, V, H = shape
     inp = make_inputs((N, V, H), dtype=torch.bfloat16, device=DEV)
     h = inp.hidden.detach().requires_grad_()
     w = inp.weight.detach().requires_grad_()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    lce.linear_cross_entropy(h, w, inp.labels, reduction="sum").backward()
+    with expect_path("auto", sft=sft_path != "4pass"):
+        lce.linear_cross_entropy(h, w, inp.labels, reduction="sum", sft_path=sft_path).backward()
     torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    grads = (N * H + V * H) * 2
-    budget = N * H * 4 + launch.DLOGITS_BUDGET + grads + 32 * 2**20
-    assert extra <= budget, f"backward peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+    return torch.cuda.max_memory_allocated() - base, (N * H + V * H) * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The 3-pass SFT path (hopperkern.lce.sft) against the 4-pass path and fp64, bf16 at real sizes
+
+SFT_SHAPES = [
+    pytest.param((2048, 128256, 4096), id="llama3-V128256-H4096"),  # 4 token chunks of 512
+    pytest.param((1937, 151936, 896), id="qwen2-V151936-H896"),  # odd N, a vocab tail tile
+]
+
+
+def _sft_paths_no_worse(inp, mode, reduction="mean", baseline_max=5e-2, out_atol=1e-5):
+    """Loss, d_hidden and d_weight of both SFT paths (upstream grad in [0.5, 1.5)): each within 2x torch's error
+    (in the inputs' dtype) of fp64, and the two paths' grads within a few bf16 roundings of each other."""
+    ups = [upstream((), device=DEV)]
+    (want,), want_grads = run(call(ref.linear_cross_entropy, reduction=reduction), inp, ups, dtype=torch.float64)
+    (base,), base_grads = run(call(torch_lowp_cross_entropy, reduction=reduction), inp, ups)
+    got = {}
+    for path in ("3pass", "4pass"):
+        with expect_path(mode, sft=path == "3pass"):
+            (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, tma=mode, sft_path=path), inp,
+                                 ups)
+        _no_worse_than_torch([loss, *grads[:2]], [base, *base_grads[:2]], [want, *want_grads[:2]],
+                             ("loss",) + GRADS, baseline_max, out_atol)
+        got[path] = grads
+    for name, a, b in zip(GRADS, got["3pass"], got["4pass"]):
+        assert rel_err(a, b) < 5e-3, f"{name}: 3-pass vs 4-pass"
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("shape", SFT_SHAPES)
+def test_bf16_sft_paths(shape, mode):
+    """bf16 mean loss at real sizes on both SFT paths: within 2x torch's bf16 error of fp64, and each other."""
+    _sft_paths_no_worse(_inputs(shape), mode)
+
+
+@pytest.mark.parametrize("shape", CONFIDENT_SHAPES)
+def test_bf16_sft_paths_confident(shape):
+    """Confident bf16 batches (p_label in [0.99, 0.9999], label logits ~0) under a sum loss on both SFT paths: the
+    3-pass path's label entry p - 1 comes from the fp32 log-prob, and its upstream grad is applied after the GEMM
+    in fp32 with one rounding."""
+    _sft_paths_no_worse(_confident_inputs(shape), "always", reduction="sum",
+                        baseline_max=CONFIDENT_BASELINE_MAX, out_atol=CONFIDENT_LOSS_ATOL)
+
+
+def test_sft_3pass_memory_within_its_budget():
+    """The 3-pass forward + backward at 8192 x 4096 x 128256 (the rule's choice there) stays within its documented
+    extra memory, N x V x 2 + scratch <= V x H x 4 + 512 MiB (plus the bf16 grads), and "auto" picks it."""
+    from hopperkern.lce import sft
+
+    N, V, H = 8192, 128256, 4096
+    assert sft.use_3pass("auto", N, V, H, 2)
+    extra, grads = _sum_loss_peak_extra((N, V, H), "auto")
+    budget = sft.budget_bytes(V, H) + grads + 32 * 2**20
+    assert extra <= budget, f"3-pass peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"

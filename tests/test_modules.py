@@ -73,6 +73,7 @@ def test_loss_module_holds_options():
     assert "reduction='sum'" in repr(loss_fn) and "softcap=20.0" in repr(loss_fn)
     default = lce.LinearCrossEntropyLoss()
     assert (default.ignore_index, default.reduction, default.softcap, default.tma) == (-100, "mean", None, "auto")
+    assert default.sft_path == "auto" and "sft_path='4pass'" in repr(lce.LinearCrossEntropyLoss(sft_path="4pass"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -124,6 +125,10 @@ LCE_ERRORS = [
     (lce.LinearCrossEntropyLoss, dict(temperature=0), ValueError, "temperature must be > 0.0, got 0"),
     (lce.LinearCrossEntropyLoss, dict(tma="fast"), ValueError, r"tma must be one of \('auto', 'always', 'never'\)"),
     (lce.LinearCrossEntropyLoss, dict(check_labels=1), TypeError, "check_labels must be a bool or 'auto', got 1"),
+    (lce.LinearCrossEntropyLoss, dict(sft_path="2pass"), ValueError,
+     r"sft_path must be one of \('auto', '3pass', '4pass'\), got '2pass'"),
+    (lce.LinearCrossEntropyLoss, dict(sft_path="3pass", reduction="none"), ValueError,
+     r"sft_path must be 'auto' or '4pass' with reduction='none', got '3pass'"),
     (lce.LinearLogprobsEntropy, dict(temperature="hot"), TypeError, "temperature must be a number, got str"),
     (lce.LinearLogprobsEntropy, dict(ignore_index=True), TypeError, "ignore_index must be an int, got bool"),
 ]

@@ -50,13 +50,14 @@ def lce_forward_kernel(
     labels_ptr,  # [N] int
     m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 per-split running max, sum exp(z-m), sum exp(z-m)*z, sum z
     zl_ptr,  # [S, N] fp32 the label's logit where this split holds the label, else 0
+    z_ptr,  # [N, ld_z] fp32 out: the final logits (only with STORE_Z; else a dummy)
     N, V, H, S, tiles_per_split,
-    stride_hn, stride_hk, stride_wv, stride_wk,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_zn,
     softcap, inv_temp,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
     FLATTEN: tl.constexpr, H_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PICK_LABEL: tl.constexpr,
+    PICK_LABEL: tl.constexpr, STORE_Z: tl.constexpr = False,
 ):
     """Per-split online log-sum-exp statistics.
 
@@ -72,7 +73,11 @@ def lce_forward_kernel(
     error of ~1e-6 / (1 - p) in p - 1, 1 % at p = 0.9999, more than one bf16 rounding. The pick costs the
     no-grad forward ~5-8 % on the H200 (one more [BLOCK_N, BLOCK_V] compare-select-sum per tile), so it is
     only done for the backward.
+
+    STORE_Z (the 3-pass SFT path, :mod:`hopperkern.lce.sft`): every tile's final fp32 logits are also written to
+    ``z`` (columns >= V clipped), from which lce_sft_dlogits_kernel forms d(logits) once the LSE is known.
     """
+    tl.static_assert(not STORE_Z or PICK_LABEL, "STORE_Z is for a forward that a backward follows (PICK_LABEL)")
     pid = tl.program_id(0)
     rb, split = grouped_tile(pid, tl.cdiv(N, BLOCK_N), S, GROUP_N)
     row0 = rb * BLOCK_N
@@ -99,6 +104,10 @@ def lce_forward_kernel(
         z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
                          softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA,
                          DOT_PRECISION)
+        if STORE_Z:
+            # Pointer stores on both paths: a TMA store would stage the fp32 tile in shared memory (128 KB at
+            # 128 x 256), beside the operand pipeline's stages, over the sm_90 limit of 227 KB.
+            store_2d(z_ptr, z, row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, False)
         if col0 + BLOCK_V > V:
             # Vocab tail: TMA pads with zeros, which would be logits of 0 (verl #2656): mask them to -inf,
             # and to 0 where they are summed.
@@ -217,6 +226,25 @@ def lce_combine_kernel(
 
 
 @triton.jit
+def _loss_coefficients(gl, lse, label_smoothing, z_loss, V_total):
+    """The (A, C, D) terms of dz = p (A + B z) + C [j == label] + D from an upstream gradient ``gl`` of the
+    per-token loss (0 at ignored tokens): A = gl (1 + 2 z_loss lse), C = -gl (1 - eps), D = -gl eps / V_total."""
+    return gl * (1.0 + 2.0 * z_loss * lse), -gl * (1.0 - label_smoothing), -gl * (label_smoothing / V_total)
+
+
+@triton.jit
+def _dz(p, z, a_t, b_t, d_t, softcap, inv_temp, SOFTCAP: tl.constexpr):
+    """d loss / d raw logit, in fp32: p (A + B z) / T + D / T, times (1 - tanh^2) with softcap. ``a_t``, ``b_t``,
+    ``d_t`` are A / T, B / T and the constant term / T (broadcast to p's shape by the caller); z is the final
+    logit, so z T / softcap is the tanh."""
+    dz = p * (a_t + b_t * z) + d_t
+    if SOFTCAP:
+        th = z / (softcap * inv_temp)
+        dz = dz * (1.0 - th * th)
+    return dz
+
+
+@triton.jit
 def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr, ignore_index,
                       label_smoothing, z_loss, V_total, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
                       HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr):
@@ -231,9 +259,10 @@ def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr
     d = tl.zeros((BLOCK_N,), tl.float32)
     if HAS_GL:
         gl = tl.load(gl_ptr + rows, mask=row_ok, other=0.0) * kept
-        a += gl * (1.0 + 2.0 * z_loss * lse)
-        c -= gl * (1.0 - label_smoothing)
-        d -= gl * (label_smoothing / V_total)
+        ga, gc, gd = _loss_coefficients(gl, lse, label_smoothing, z_loss, V_total)
+        a += ga
+        c += gc
+        d += gd
     if HAS_GP:
         gp = tl.load(gp_ptr + rows, mask=row_ok, other=0.0) * kept
         a -= gp
@@ -300,10 +329,8 @@ def lce_dlogits_kernel(
                                                HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
         # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
         p = tl.exp(z - lse[:, None])
-        dz = p * ((a * inv_temp)[:, None] + (b * inv_temp)[:, None] * z) + (d * inv_temp)[:, None]
-        if SOFTCAP:
-            th = z / (softcap * inv_temp)
-            dz = dz * (1.0 - th * th)
+        dz = _dz(p, z, (a * inv_temp)[:, None], (b * inv_temp)[:, None], (d * inv_temp)[:, None], softcap,
+                 inv_temp, SOFTCAP)
         # Columns >= ncols (and rows >= N) are clipped by the store on both paths.
         store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, vt * BLOCK_V, N, ncols, stride_dn, 1, BLOCK_N,
                  BLOCK_V, D_TMA)
@@ -344,8 +371,45 @@ def lce_onehot_kernel(
     p = tl.exp(logp)
     z = logp + lse
     # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32.
-    dz = p * (a * inv_temp + (b * inv_temp) * z) + d * inv_temp + c * inv_temp
-    if SOFTCAP:
-        th = z / (softcap * inv_temp)
-        dz = dz * (1.0 - th * th)
+    dz = _dz(p, z, a * inv_temp, b * inv_temp, d * inv_temp + c * inv_temp, softcap, inv_temp, SOFTCAP)
     tl.store(d_ptr + rows.to(tl.int64) * stride_dn + col, dz.to(d_ptr.dtype.element_ty), mask=here)
+
+
+@triton.jit
+def lce_sft_dlogits_kernel(
+    z_ptr,  # [N, ld_z] fp32 final logits, stored by lce_forward_kernel (STORE_Z)
+    labels_ptr,  # [N] int
+    lse_ptr, logprob_ptr,  # [N] fp32 from the forward's combine (log p of the label: z_label - lse)
+    scale_ptr,  # [1] fp32 the upstream gradient of every kept token's loss: 1 (sum) or 1 / kept tokens (mean)
+    d_ptr,  # [N, ld_d] out: d loss / d (h @ w^T + b), in the inputs' dtype
+    N, V, stride_zn, stride_dn, ignore_index, label_smoothing, z_loss, softcap, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, Z_TMA: tl.constexpr,
+    D_TMA: tl.constexpr,
+):
+    """d(logits) of a sum or mean loss from the stored fp32 logits: the 3-pass SFT path. Grid
+    (cdiv(N, BLOCK_N), cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile.
+
+    The same gradient as lce_dlogits_kernel + lce_onehot_kernel with upstream gradient ``scale`` on every kept
+    token's loss and none on the other outputs, dz = (p A + C [j == label] + D) / T (* (1 - tanh^2)), formed in
+    fp32 and rounded once. At the label, p comes from the forward's fp32 log-prob (as in lce_onehot_kernel), so
+    that p - 1 of a confident prediction keeps its precision; the softcap factor there takes the stored z.
+    """
+    row0 = tl.program_id(0) * BLOCK_N
+    col0 = tl.program_id(1) * BLOCK_V
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    kept = row_ok & (labels != ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
+    gl = tl.where(kept, tl.load(scale_ptr), 0.0)
+    a, c, d = _loss_coefficients(gl, lse, label_smoothing, z_loss, V)
+    z_src = tile_source_2d(z_ptr, N, V, stride_zn, BLOCK_N, BLOCK_V, Z_TMA)
+    d_dst = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
+    z = load_2d(z_src, row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, Z_TMA)
+    at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
+    p = tl.where(at_label, tl.exp(logp)[:, None], tl.exp(z - lse[:, None]))
+    d_t = (d * inv_temp)[:, None] + tl.where(at_label, (c * inv_temp)[:, None], 0.0)
+    dz = _dz(p, z, (a * inv_temp)[:, None], 0.0, d_t, softcap, inv_temp, SOFTCAP)
+    # Rows >= N and columns >= V (zeros read there) are clipped by the store on both paths.
+    store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)

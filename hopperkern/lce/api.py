@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from .._validate import options_key, sync_check, tensor_meta, validate_once
+from . import sft
 from .launch import validate_inputs
-from .ops import LceFunction, lce_forward_impl, lce_forward_op
+from .ops import LceFunction, lce_forward_impl, lce_forward_op, lce_sft_forward_op
 
 __all__ = ["linear_cross_entropy", "linear_logprobs_entropy"]
 
@@ -78,7 +79,7 @@ def _small_contiguous(labels, bias):
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
                          label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0, tma="auto",
-                         check_labels="auto", process_group=None):
+                         check_labels="auto", process_group=None, sft_path="auto"):
     """Cross-entropy of ``hidden @ weight.T`` without materialising the N x V logits.
 
     Equivalent to (all math in fp32)::
@@ -102,6 +103,15 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             pass + one host sync), raising ValueError naming the bad labels. False: never check.
         process_group: None, or a ``torch.distributed.ProcessGroup`` over which the head is vocab-parallel (see
             below).
+        sft_path: "auto" | "3pass" | "4pass": how a differentiable "sum" or "mean" call computes its gradients.
+            "3pass": the forward also forms d(logits) (from fp32 logits, rounded once) and keeps it, N x V in the
+            inputs' dtype, until the backward, which is then two GEMMs: three passes over the vocab. "4pass": the
+            backward recomputes the logits (four passes; extra memory O(N H) + 128 MiB). "auto" (default) takes
+            "3pass" when its extra memory, N x V x itemsize plus scratch (``sft.extra_bytes``), is at most
+            V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass". Both give the same gradients to fp32
+            summation order. A call under ``torch.no_grad()`` runs the plain forward either way;
+            ``reduction="none"`` and ``process_group`` always take "4pass" ("3pass" raises ValueError there).
+            See :mod:`hopperkern.lce.sft`.
 
     Returns: float32 scalar, or labels.shape for reduction="none". Differentiable w.r.t. hidden, weight, bias.
 
@@ -125,11 +135,18 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
               options_key("ce", ignore_index, label_smoothing, z_loss, softcap, temperature, tma, reduction),
               ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
               temperature=temperature, tma=tma, reduction=reduction)
+    sft.check_sft_path(sft_path, reduction, sharded=process_group is not None)
     lab, bias = _small_contiguous(labels, bias)
     grad = _backward_follows(hidden, weight, bias)
-    loss, _, _, _ = _forward(process_group, grad, _flat(hidden), weight, lab, bias, ignore_index,
-                             float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature), tma,
-                             False, sync_check("check_labels", check_labels, lab))
+    hidden2d = _flat(hidden)
+    check = sync_check("check_labels", check_labels, lab)
+    args = (hidden2d, weight, lab, bias, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0),
+            float(temperature), tma)
+    if grad and reduction != "none" and process_group is None and sft.use_3pass(
+            sft_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.element_size()):
+        loss, _ = lce_sft_forward_op(*args, check, reduction == "mean")
+        return loss
+    loss, _, _, _ = _forward(process_group, grad, *args, False, check)
     if reduction == "none":
         return loss.view(labels.shape)
     total = loss.sum()

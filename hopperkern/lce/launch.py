@@ -182,10 +182,17 @@ class _ForwardPlan(Plan):
 _FORWARD_PLANS = PlanCache("lce.forward")
 
 
-def _forward_key(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool):
+def _forward_key(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool,
+                 config: KernelConfig | None, z_out):
     return (hidden2d.device, hidden2d.dtype, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(),
             labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, env_key(),
-            alignment_key(hidden2d, weight, labels1d, bias))
+            alignment_key(hidden2d, weight, labels1d, bias, z_out), None if config is None else config_key(config),
+            None if z_out is None else z_out.stride())
+
+
+def config_key(cfg: KernelConfig) -> tuple:
+    """A KernelConfig's values as a plan-key tuple."""
+    return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages, cfg.flatten)
 
 
 def _stats(plan: _ForwardPlan, N: int, dev):
@@ -199,7 +206,7 @@ def _stats(plan: _ForwardPlan, N: int, dev):
 
 
 def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool,
-                        config: KernelConfig | None) -> _ForwardPlan:
+                        config: KernelConfig | None, z_out=None) -> _ForwardPlan:
     N = hidden2d.shape[0]
     V, H = weight.shape
     dev = hidden2d.device
@@ -224,35 +231,36 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
         BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
     )
+    store_z = z_out is not None
     plan.forward = Launch(
         lce_forward_kernel, (cdiv(N, cfg.block_m) * S,),
-        hidden2d, weight, b_arg, labels1d, one, one, one, one, one,
+        hidden2d, weight, b_arg, labels1d, one, one, one, one, one, z_out if store_z else one,
         N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
-        softcap, opts.inv_temp,
+        z_out.stride(0) if store_z else 0, softcap, opts.inv_temp,
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
         HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
-        PICK_LABEL=pick_label, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PICK_LABEL=pick_label, STORE_Z=store_z, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     plan.combine = _combine_launch(S, N, S if pick_label else 1, labels1d, V, opts, need_entropy, need_sumz, one)
     return plan
 
 
 def forward_plan_for(hidden2d, weight, labels1d, bias, opts: LceOptions, *, need_entropy: bool = True,
-                     pick_label: bool = True) -> _ForwardPlan:
+                     pick_label: bool = True, config: KernelConfig | None = None, z_out=None) -> _ForwardPlan:
     """The cached launch plan of :func:`lce_forward` for these inputs (built on a miss, or when the tuning file
-    it came from changed)."""
-    key = _forward_key(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label)
+    it came from changed); ``config`` overrides the tuning file's, ``z_out`` asks for the logits store."""
+    key = _forward_key(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label, config, z_out)
     plan = _FORWARD_PLANS.get(key)
     if plan is None or not plan.fresh():
         plan = _FORWARD_PLANS.put(key, _build_forward_plan(hidden2d, weight, labels1d, bias, opts, need_entropy,
-                                                           pick_label, None))
+                                                           pick_label, config, z_out))
     return plan
 
 
 def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
                 *, need_entropy: bool = True, config: KernelConfig | None = None, pick_label: bool = True,
-                stats_only: bool = False, shared_out: bool = False):
+                stats_only: bool = False, shared_out: bool = False, z_out: torch.Tensor | None = None):
     """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N]
     (``shared_out``: views of one [4, N] allocation, one allocation instead of four).
 
@@ -270,8 +278,10 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     per-split statistics ``(m, s, t, sumz, zl)`` instead, each fp32 [S, N] (zl [1, N] without ``pick_label``),
     as :func:`combine_stats` takes them; t (sumz) is ``m`` itself when entropy (label smoothing) is not asked for.
 
-    The config, TMA decision and launches come from a cached plan (:func:`forward_plan_for`) unless ``config``
-    is given.
+    ``z_out`` (with ``pick_label``; the 3-pass SFT path, :mod:`.sft`): an fp32 [N, >= V] buffer with unit column
+    stride that receives the final logits of every token, written by the same kernel.
+
+    The config, TMA decision and launches come from a cached plan (:func:`forward_plan_for`).
     """
     N = hidden2d.shape[0]
     dev = hidden2d.device
@@ -279,11 +289,8 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
         _tma.check_interpreter(hidden2d.dtype, "lce.forward")
         f32 = dict(dtype=torch.float32, device=dev)
         return tuple(torch.zeros(0, **f32) for _ in range(4))
-    if config is None:
-        plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy,
-                                pick_label=pick_label)
-    else:
-        plan = _build_forward_plan(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label, config)
+    plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
+                            config=config, z_out=z_out)
     if plan.interpreted:
         _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     _tma.record_decision(plan.decision)
@@ -291,7 +298,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     b_arg = bias if bias is not None else weight
     if plan.label is not None:
         plan.label(hidden2d, weight, b_arg, labels1d, zl)
-    plan.forward(hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl)
+    plan.forward(hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl, z_out if z_out is not None else m)
     if stats_only:
         return m, s, t, sumz, zl
     # The combine kernel writes every row of all four outputs (entropy 0 without need_entropy): no fills.
@@ -333,21 +340,25 @@ def _slice_cols(N: int, V: int, block_v: int, elem: int) -> int:
     return min(cols, cdiv(V, block_v) * block_v)
 
 
-def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype_mm: bool | None = None) -> None:
-    """acc (fp32) += a @ b with fp32 accumulation and no low-precision partial sum. ``out_dtype_mm``: whether
-    cuBLAS takes ``out_dtype=torch.float32`` here (:func:`hopperkern.tma.torch_mm_out_dtype`; asked when None)."""
+def fast_mm_f32(a: torch.Tensor) -> bool:
+    """Whether :func:`_acc_mm_f32` runs ``a`` (an fp32 or 16-bit GEMM operand) without fp32 copies of it."""
+    return a.dtype == torch.float32 or (a.is_cuda and _tma.torch_mm_out_dtype(a.device, a.dtype))
+
+
+def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: int = 1,
+                out_dtype_mm: bool | None = None) -> None:
+    """acc (fp32) = beta * acc + a @ b with fp32 accumulation and no low-precision partial sum (beta 0 or 1; with
+    0 whatever acc held, NaN included, is ignored). ``out_dtype_mm``: :func:`fast_mm_f32` of ``a`` when the
+    caller knows it (asked when None)."""
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-        return
-    if out_dtype_mm is None:
-        out_dtype_mm = acc.is_cuda and _tma.torch_mm_out_dtype(acc.device, a.dtype)
-    if out_dtype_mm:
-        # cuBLAS: bf16/fp16 inputs, fp32 accumulate and fp32 C, beta = 1.
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        acc.addmm_(a, b, beta=beta)
+    elif out_dtype_mm if out_dtype_mm is not None else fast_mm_f32(a):
+        # cuBLAS: bf16/fp16 inputs, fp32 accumulate and fp32 C.
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
     else:
-        # CPU (tests), or a torch without out_dtype: the same arithmetic through fp32 copies of this slice
-        # (bounded by DLOGITS_BUDGET for ``a``; ``b`` is the slice's [Vs, H] weight rows).
-        acc.addmm_(a.float(), b.float())
+        # CPU (tests), or a torch without out_dtype: the same arithmetic through fp32 copies of the operands,
+        # which callers bound by slicing (DLOGITS_BUDGET for ``a`` here; ``b`` is a slice's [Vs, H] weight rows).
+        acc.addmm_(a.float(), b.float(), beta=beta)
 
 
 def _check_logprob(logprob, N: int) -> None:
@@ -440,7 +451,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             # One GEMM over all N tokens: fp32 accumulation inside cuBLAS, written once in the weight dtype.
             torch.mm(dl.t(), hidden2d, out=d_w[col_begin:col_begin + ncols])
         if need_hidden_grad:
-            _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols], plan.mm_out_dtype)
+            _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols], out_dtype_mm=plan.mm_out_dtype)
         if d_b is not None:
             d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)
     d_h = (acc_h if fp32_hidden_grad else acc_h.to(dt)) if need_hidden_grad else None

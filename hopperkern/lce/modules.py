@@ -12,6 +12,7 @@ from torch import nn
 from .._validate import check_choice, check_float
 from ..tma import TMA_MODES
 from .api import linear_cross_entropy, linear_logprobs_entropy
+from .sft import check_sft_path
 
 __all__ = ["LinearCrossEntropyLoss", "LinearLogprobsEntropy"]
 
@@ -43,14 +44,18 @@ class LinearCrossEntropyLoss(nn.Module):
     ``labels.shape`` for ``reduction="none"``. ``"mean"`` divides by the kept tokens (0.0 when all are ignored).
     Gradients reach hidden, weight and bias. ``tma`` and ``check_labels`` are passed on to the function: see
     there (``check_labels``: "auto" checks without a host sync, bad labels turning into NaN; True checks with one).
+    ``sft_path`` ("auto" | "3pass" | "4pass") is too: "auto" keeps d(logits) from the forward for a two-GEMM
+    backward (3 passes over the vocab) when N x V of them fit V x H x 4 bytes + 512 MiB, and recomputes the logits
+    otherwise.
     """
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  z_loss: float = 0.0, softcap: float | None = None, temperature: float = 1.0, *, tma: str = "auto",
-                 check_labels: bool | str = "auto"):
+                 check_labels: bool | str = "auto", sft_path: str = "auto"):
         super().__init__()
         _check_common(ignore_index, temperature, tma, check_labels)
         check_choice("reduction", reduction, REDUCTIONS)
+        check_sft_path(sft_path, reduction)
         check_float("label_smoothing", label_smoothing, low=0.0, high=1.0)
         check_float("z_loss", z_loss, low=0.0)
         if softcap is not None:
@@ -63,18 +68,20 @@ class LinearCrossEntropyLoss(nn.Module):
         self.temperature = temperature
         self.tma = tma
         self.check_labels = check_labels
+        self.sft_path = sft_path
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear_cross_entropy(hidden, weight, labels, bias=bias, ignore_index=self.ignore_index,
                                     reduction=self.reduction, label_smoothing=self.label_smoothing,
                                     z_loss=self.z_loss, softcap=self.softcap, temperature=self.temperature,
-                                    tma=self.tma, check_labels=self.check_labels)
+                                    tma=self.tma, check_labels=self.check_labels, sft_path=self.sft_path)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
-                f"temperature={self.temperature}, tma={self.tma!r}, check_labels={self.check_labels}")
+                f"temperature={self.temperature}, tma={self.tma!r}, check_labels={self.check_labels}, "
+                f"sft_path={self.sft_path!r}")
 
 
 class LinearLogprobsEntropy(nn.Module):

@@ -1,7 +1,9 @@
 """torch.library custom ops around the LCE launchers, with fake (meta) implementations and autograd.
 
-Custom ops keep ``torch.compile(fullgraph=True)`` working: dynamo sees two opaque ops with known output
-shapes instead of Triton launches and host-side checks.
+Custom ops keep ``torch.compile(fullgraph=True)`` working: dynamo sees opaque ops with known output shapes
+instead of Triton launches and host-side checks. Two pairs: ``lce_forward`` / ``lce_backward`` (the 4-pass path,
+any per-token upstream gradients) and ``lce_sft_forward`` / ``lce_sft_backward`` (the 3-pass path of a sum or
+mean loss, :mod:`.sft`, whose forward returns the d(logits) that its backward multiplies).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import Tensor
 from ..tma import launch_context
 from ..tma.launcher import current_device
 from .launch import LceOptions, check_labels, lce_backward, lce_forward
+from .sft import lce_sft_backward, lce_sft_forward, padded_cols
 
 
 _OPTS: dict = {}
@@ -84,13 +87,18 @@ def lce_backward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Opti
 lce_backward_op = torch.library.custom_op("hopperkern::lce_backward", mutates_args=())(lce_backward_impl)
 
 
-@lce_backward_op.register_fake
-def _(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_entropy, g_lse, ignore_index,
-      label_smoothing, z_loss, softcap, temperature, tma, need_hidden_grad, need_weight_grad, logprob=None):
-    dh = hidden.new_empty(hidden.shape) if need_hidden_grad else hidden.new_empty((0,))  # contiguous, as real
+def _fake_grads(hidden, weight, bias, need_hidden_grad, need_weight_grad):
+    """Fake (d_hidden, d_weight, d_bias) of both backward ops: contiguous, as the real ones; empty when absent."""
+    dh = hidden.new_empty(hidden.shape) if need_hidden_grad else hidden.new_empty((0,))
     dw = weight.new_empty(weight.shape) if need_weight_grad else hidden.new_empty((0,))
     db = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,))
     return dh, dw, db
+
+
+@lce_backward_op.register_fake
+def _(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_entropy, g_lse, ignore_index,
+      label_smoothing, z_loss, softcap, temperature, tma, need_hidden_grad, need_weight_grad, logprob=None):
+    return _fake_grads(hidden, weight, bias, need_hidden_grad, need_weight_grad)
 
 
 def _setup_context(ctx, inputs, output):
@@ -139,3 +147,61 @@ class LceFunction(torch.autograd.Function):
     def backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
         dh, dw, db = _grads(ctx, lce_backward_impl, g_loss, g_logprob, g_entropy, g_lse)
         return (dh, dw, None, db) + (None,) * 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The 3-pass path of a sum or mean loss (hopperkern.lce.sft)
+
+
+@torch.library.custom_op("hopperkern::lce_sft_forward", mutates_args=())
+def lce_sft_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
+                       label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
+                       check: bool, mean: bool) -> tuple[Tensor, Tensor]:
+    """(loss, dlogits): the 0-dim fp32 sum (``mean``: mean over kept tokens) of the per-token loss, and its
+    gradient w.r.t. the logits as [N, padded_cols(V)] in hidden's dtype; see :func:`sft.lce_sft_forward`."""
+    with launch_context(hidden, "hopperkern.lce"):
+        if check:
+            check_labels(labels, weight.shape[0], ignore_index)
+        opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
+        return lce_sft_forward(hidden, weight, labels, bias, opts, mean=mean)
+
+
+@lce_sft_forward_op.register_fake
+def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, check, mean):
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0], padded_cols(weight.shape[0])))
+
+
+@torch.library.custom_op("hopperkern::lce_sft_backward", mutates_args=())
+def lce_sft_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dlogits: Tensor, g: Tensor,
+                        need_hidden_grad: bool, need_weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_hidden, d_weight, d_bias) for the upstream gradient ``g`` (0-dim) of lce_sft_forward's loss; a gradient
+    that is not needed comes back as an empty tensor. See :func:`sft.lce_sft_backward`."""
+    with launch_context(hidden, "hopperkern.lce backward"):
+        grads = lce_sft_backward(hidden, weight, bias, dlogits, g, need_hidden_grad=need_hidden_grad,
+                                 need_weight_grad=need_weight_grad)
+    return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
+
+
+@lce_sft_backward_op.register_fake
+def _(hidden, weight, bias, dlogits, g, need_hidden_grad, need_weight_grad):
+    return _fake_grads(hidden, weight, bias, need_hidden_grad, need_weight_grad)
+
+
+def _sft_setup_context(ctx, inputs, output):
+    hidden, weight, _, bias = inputs[:4]
+    dlogits = output[1]
+    ctx.mark_non_differentiable(dlogits)
+    ctx.save_for_backward(hidden, weight, bias, dlogits)
+
+
+def _sft_backward(ctx, g_loss, _):
+    hidden, weight, bias, dlogits = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_b = bias is not None and ctx.needs_input_grad[3]
+    if not (need_h or need_w or need_b):
+        return (None,) * 12
+    dh, dw, db = lce_sft_backward_op(hidden, weight, bias, dlogits, g_loss, need_h, need_w)
+    return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 8
+
+
+torch.library.register_autograd("hopperkern::lce_sft_forward", _sft_backward, setup_context=_sft_setup_context)

@@ -1,0 +1,197 @@
+"""The 3-pass forward + backward of a sum or mean cross-entropy (SFT): launchers and the rule that picks it.
+
+For a sum or mean loss the upstream gradient of every kept token's loss is the same number, known up to one
+scalar factor g at the end of the forward. So the forward can form d(logits) itself and keep it, and the backward
+is two GEMMs: three passes over the vocab (logits, d_hidden, d_weight) instead of the 4-pass path's four (logits;
+then, in :func:`.launch.lce_backward`, the logits again, d_hidden and d_weight).
+
+Forward (:func:`lce_sft_forward`), per chunk of C tokens: :func:`.launch.lce_forward` with ``z_out`` computes
+the chunk's statistics and writes its final fp32 logits to a [C, V] scratch buffer; after the combine gives the
+LSE and the label's fp32 log-prob, ``lce_sft_dlogits_kernel`` reads the logits back and writes d(logits) for an
+upstream gradient of 1 (sum) or 1 / kept tokens (mean, read from the device: no host sync), formed in fp32 and
+rounded once into the [N, V] buffer kept for the backward (the inputs' dtype). Logits stay fp32 until then:
+rounding them first would put errors of ulp(z) into p.
+
+Backward (:func:`lce_sft_backward`), g the 0-dim upstream gradient on the device:
+``d_hidden = round(g * (dl @ w))`` and ``d_weight = round(g * (dl^T @ h))``, each one GEMM over its whole K dim
+with fp32 accumulation and fp32 output (cuBLAS ``out_dtype``), scaled by g in fp32 and rounded once (no second
+rounding when g != 1: loss scaling, 1/k gradient accumulation). d_weight goes through vocab slices of at most
+``DW_SLICE_BUDGET`` fp32 bytes.
+
+Memory rule (``sft_path="auto"``): the 3-pass path runs when its extra memory, :func:`extra_bytes` (the kept
+d(logits), N x V in the inputs' dtype, plus the larger of the forward's logits chunk and the backward's fp32
+d_hidden and d_weight slice), is at most :func:`budget_bytes` = V x H x 4 bytes (an fp32 copy of the weight) +
+``EXTRA_BUDGET`` (512 MiB). Otherwise, and always for ``reduction="none"``, per-token outputs
+(``linear_logprobs_entropy``) and vocab-parallel calls, the 4-pass path runs (extra memory O(N H) + 128 MiB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import tma as _tma
+from .._host import cdiv
+from .._validate import check_choice
+from ..tuning import KernelConfig
+from ._kernels import lce_sft_dlogits_kernel
+from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
+
+__all__ = ["SFT_PATHS", "EXTRA_BUDGET", "LOGITS_CHUNK_BUDGET", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
+           "extra_bytes", "budget_bytes", "store_z_config", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
+
+SFT_PATHS = ("auto", "3pass", "4pass")
+EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
+LOGITS_CHUNK_BUDGET = 256 * 2**20  # bytes of the forward's fp32 [C, V] logits of one token chunk
+DW_SLICE_BUDGET = 32 * 2**20  # bytes of the backward's fp32 [Vs, H] d_weight slice (small enough to stay in L2)
+_SFT_OP = "lce.sft_dlogits"  # the d(logits) launch's name in tma.last_decision
+
+
+def padded_cols(V: int) -> int:
+    """Row pitch of the kept d(logits) and of the logits scratch: 128-byte aligned rows for TMA."""
+    return cdiv(V, 64) * 64
+
+
+def chunk_rows(V: int, block_m: int) -> int:
+    """Tokens per forward chunk: as many whole row blocks as fit ``LOGITS_CHUNK_BUDGET`` (at least one)."""
+    rows = LOGITS_CHUNK_BUDGET // (padded_cols(V) * 4)
+    return max(block_m, rows // block_m * block_m)
+
+
+def _slice_rows(V: int, width: int) -> int:
+    """Rows of a vocab slice whose fp32 [rows, width] block fits ``DW_SLICE_BUDGET`` (a multiple of 256)."""
+    rows = DW_SLICE_BUDGET // (4 * width)
+    return min(V, max(256, rows // 256 * 256))
+
+
+def extra_bytes(N: int, V: int, H: int, elem: int) -> int:
+    """Peak extra memory of the 3-pass path beyond its inputs and gradients (``elem``: bytes per input element):
+    the kept d(logits) plus the larger of the forward's logits chunk and the backward's fp32 scratch."""
+    ld = padded_cols(V)
+    forward = min(N, chunk_rows(V, 128)) * ld * 4
+    backward = N * H * 4 + _slice_rows(V, H) * H * 4
+    return N * ld * elem + max(forward, backward)
+
+
+def budget_bytes(V: int, H: int) -> int:
+    """What the 3-pass path may use under ``sft_path="auto"``: V x H x 4 bytes + ``EXTRA_BUDGET``."""
+    return V * H * 4 + EXTRA_BUDGET
+
+
+def check_sft_path(sft_path, reduction: str, *, sharded: bool = False) -> None:
+    """ValueError for an unknown ``sft_path``, and for "3pass" where only the 4-pass path applies."""
+    check_choice("sft_path", sft_path, SFT_PATHS)
+    if sft_path == "3pass" and (reduction == "none" or sharded):
+        what = "reduction='none'" if reduction == "none" else "a process_group (vocab-parallel)"
+        raise ValueError(f"sft_path must be 'auto' or '4pass' with {what}, got '3pass' (the 3-pass path is for "
+                         "sum and mean losses of an unsharded head)")
+
+
+def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int) -> bool:
+    """Whether a differentiable sum/mean call takes the 3-pass path: ``"3pass"`` always, ``"4pass"`` never,
+    ``"auto"`` when :func:`extra_bytes` <= :func:`budget_bytes`."""
+    check_choice("sft_path", sft_path, SFT_PATHS)
+    if sft_path != "auto":
+        return sft_path == "3pass"
+    return extra_bytes(N, V, H, elem) <= budget_bytes(V, H)
+
+
+_STORE_Z_TILE = 128 * 128  # BLOCK_N x BLOCK_V from which a forward that stores its logits is re-tiled
+
+
+def store_z_config(cfg: KernelConfig) -> KernelConfig:
+    """The forward's launch config when it also stores its fp32 logits (STORE_Z). The store converts each tile
+    to a coalesced layout through shared memory (BLOCK_N x BLOCK_V x 4 bytes): at 128 x 256 that is 128 KB
+    beside a 3-stage pipeline's 144 KB, over sm_90's 227 KB, and the tile's addresses spill registers (so do
+    128 x 128 tiles with 4 warps, and 128 x 128 x 128 with 3 stages needs 256 KB). So tiles of 128 x 128 or more
+    run as 128 x 128 x 64 with 8 warps and 4 stages (192 KB, no spills: ``benchmarks/compile_lce_sm90.py``);
+    smaller ones (fp32 inputs, the interpreter) as tuned."""
+    if cfg.block_m * cfg.block_n < _STORE_Z_TILE:
+        return cfg
+    return cfg.model_copy(update=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4))
+
+
+def _row_blocks() -> tuple[int, int]:
+    # The d(logits) kernel is memory-bound: wide tiles for the GPU, small ones for the interpreter (cost per tile).
+    return (16, 32) if _tma.interpreter_active() else (32, 256)
+
+
+def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
+                    *, mean: bool, config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, dlogits)``: the fp32 sum (or mean over kept tokens, 0.0 when none is kept) of the per-token loss
+    of :func:`.launch.lce_forward`, and d loss / d (h @ w^T + b) as a [N, padded_cols(V)] buffer in the inputs'
+    dtype (columns >= V unused), for an upstream gradient of 1 on ``loss``. Inputs must be validated already.
+    Extra memory: the returned buffer plus an fp32 [C, padded_cols(V)] logits chunk (``LOGITS_CHUNK_BUDGET``)."""
+    _tma.check_interpreter(hidden2d.dtype, "lce.forward")
+    N = hidden2d.shape[0]
+    V, H = weight.shape
+    dev, f32 = hidden2d.device, torch.float32
+    ld = padded_cols(V)
+    dl = torch.empty((N, ld), dtype=hidden2d.dtype, device=dev)
+    if N == 0:
+        return torch.zeros((), dtype=f32, device=dev), dl
+    count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
+    # The upstream gradient of each kept token's loss, on the device (no host sync): 1 / kept tokens for "mean".
+    scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
+    cfg = config or store_z_config(pick_config("forward", hidden2d.dtype, N, H))
+    C = min(N, chunk_rows(V, cfg.block_m))
+    z = torch.empty((C, ld), dtype=f32, device=dev)
+    bn, bv = _row_blocks()
+    d = _tma.decide(opts.tma, {"logits": (z, (bn, bv)), "dlogits": (dl, (bn, bv))}, op=_SFT_OP)
+    scal = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+            opts.inv_temp)
+    losses = []
+    for c0 in range(0, N, C):
+        rows = min(C, N - c0)
+        lab = labels1d[c0:c0 + rows]
+        loss, logprob, _, lse = lce_forward(hidden2d[c0:c0 + rows], weight, lab, bias, opts, need_entropy=False,
+                                            config=cfg, pick_label=True, z_out=z)
+        lce_sft_dlogits_kernel[(cdiv(rows, bn), cdiv(V, bv))](
+            z, lab, lse, logprob, scale, dl[c0:], rows, V, z.stride(0), dl.stride(0), *scal,
+            BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=bool(opts.softcap), Z_TMA=d["logits"], D_TMA=d["dlogits"],
+        )
+        losses.append(loss.sum())
+    total = torch.stack(losses).sum()
+    return (total / count if mean else total), dl
+
+
+def _scaled(acc: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = round(g * acc): the product in fp32, one rounding to out's dtype."""
+    return torch.mul(acc, g, out=out)
+
+
+def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits: torch.Tensor, g: torch.Tensor,
+                     *, need_hidden_grad: bool = True, need_weight_grad: bool = True):
+    """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` of the 3-pass path in the inputs' dtype, from
+    the forward's ``dlogits`` (:func:`lce_sft_forward`) and the 0-dim upstream gradient ``g`` of its loss (read on
+    the device). Each gradient is one fp32-accumulating GEMM over its whole K dim, times g in fp32, rounded once.
+    Extra memory: fp32 [N, H] for d_hidden and one fp32 d_weight slice (``DW_SLICE_BUDGET``)."""
+    N, H = hidden2d.shape
+    V = weight.shape[0]
+    dev, dt = hidden2d.device, hidden2d.dtype
+    dl = dlogits[:, :V]
+    g = g.to(device=dev, dtype=torch.float32)
+    d_h = torch.empty((N, H), dtype=dt, device=dev) if need_hidden_grad else None
+    d_w = torch.empty((V, H), dtype=dt, device=dev) if need_weight_grad else None
+    d_b = None
+    if bias is not None:
+        d_b = torch.empty(V, dtype=bias.dtype, device=dev)
+        _scaled(dl.sum(0, dtype=torch.float32), g, d_b)
+    if N == 0:
+        return tuple(t.zero_() if t is not None else None for t in (d_h, d_w, d_b))
+    if need_hidden_grad:
+        acc = torch.empty((N, H), dtype=torch.float32, device=dev)
+        # One GEMM over all V columns where cuBLAS accumulates 16-bit inputs into fp32 output; otherwise vocab
+        # slices bound the fp32 copies of d(logits) that the fallback makes.
+        step = V if fast_mm_f32(dl) else _slice_rows(V, N)
+        for v0 in range(0, V, step):
+            _acc_mm_f32(acc, dl[:, v0:v0 + step], weight[v0:v0 + step], beta=int(v0 > 0))
+        _scaled(acc, g, d_h)
+    if need_weight_grad:
+        rows = _slice_rows(V, H)
+        acc = torch.empty((min(rows, V), H), dtype=torch.float32, device=dev)
+        for v0 in range(0, V, rows):
+            n = min(rows, V - v0)
+            # d_weight rows of this slice: one GEMM over all N tokens (K = N), fp32 out, then g and one rounding.
+            _acc_mm_f32(acc[:n], dl[:, v0:v0 + n].t(), hidden2d, beta=0)
+            _scaled(acc[:n], g, d_w[v0:v0 + n])
+    return d_h, d_w, d_b

@@ -1,0 +1,327 @@
+"""The 3-pass SFT path of lce.linear_cross_entropy (hopperkern/lce/sft.py) against the fp64 reference and against
+the 4-pass path: numerics on both memory paths, the path choice, autograd uses (gradient accumulation,
+checkpointing, torch.compile) and its custom ops. Shapes and helpers are test_lce.py's (interpreter-sized)."""
+
+import re
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from test_lce import _no_tma_env  # noqa: F401  (autouse: a HOPPERKERN_TMA in the environment would override modes)
+from test_lce import (
+    _BF16_OK,
+    ALL,
+    CONFIDENT,
+    CONFIDENT_ALL,
+    CONFIDENT_LOSS_ATOL,
+    FWD,
+    LAYOUTS,
+    MODES,
+    SFT,
+    SHAPE,
+    SMALL,
+    Case,
+    _op_args,
+    assert_close,
+    call,
+    check_fp32,
+    check_grads,
+    check_no_worse,
+    expect_path,
+    make_inputs,
+    run,
+    torch_lowp_cross_entropy,
+    upstream,
+)
+from hopperkern import lce, tma
+from hopperkern.lce import reference as ref
+from hopperkern.lce import sft
+from hopperkern.lce.ops import lce_sft_backward_op, lce_sft_forward_op
+from hopperkern.tuning import KernelConfig
+
+THREE, FOUR = dict(sft_path="3pass"), dict(sft_path="4pass")
+SAME_ORDER_RTOL = 2e-6  # 3-pass vs 4-pass in fp32: the same math, summed in another order
+
+CASES = [
+    Case("plain/mean", "no options; mean over all tokens (1/N folded into d(logits) from the device)"),
+    Case("all/mean", "every option + bias + ignored tokens; 1/kept from the device", ALL, bias=True, ignore=0.3),
+    Case("all/sum", "every option + bias + ignored tokens; sum", ALL, bias=True, ignore=0.3, reduction="sum"),
+    Case("ignore_index=5", "an ignore_index inside [0, V): its column is no label for ignored rows",
+         dict(ignore_index=5), ignore=0.3, reduction="sum"),
+]
+IDS = {"ids": lambda c: c.name}
+CONFIDENT_CASES = [
+    Case("confident/mean", "p_label -> 1: the label entry p - 1 from the fp32 log-prob", ignore=0.2,
+         confident=CONFIDENT),
+    Case("confident/all", "every option (softcap 30) + bias, mean", CONFIDENT_ALL, bias=True, ignore=0.2,
+         confident=CONFIDENT),
+    Case("confident/centered", "label logits ~0: the tightest torch baseline", bias=True, reduction="sum",
+         ignore=0.2, confident=CONFIDENT, centered=True),
+]
+
+
+def _sft_path_ran(mode):
+    return expect_path(mode, sft=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES, **IDS)
+def test_3pass_fp32_matches_reference_and_4pass(case, mode):
+    """fp32 loss and d_hidden, d_weight, d_bias of the 3-pass path match fp64 to ~1e-5 and the 4-pass path's to fp32
+    summation order (upstream grad in [0.5, 1.5), so never 1)."""
+    inp, ups = case.inputs(), case.ups()
+    (loss,), grads = check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE),
+                                case.fn(ref.linear_cross_entropy), inp, ups, path=dict(sft=True))
+    with expect_path(mode, sft=False):
+        (loss4,), grads4 = run(case.fn(lce.linear_cross_entropy, tma=mode, **FOUR), inp, ups)
+    assert_close(loss, loss4, SAME_ORDER_RTOL, "loss")
+    check_grads(grads, grads4, SAME_ORDER_RTOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_3pass_token_chunks(mode, monkeypatch):
+    """A logits budget of 16 rows cuts the forward into 3 token chunks (16, 16, 5 of N=37): each chunk's logits and
+    d(logits) land in the right rows."""
+    monkeypatch.setattr(sft, "LOGITS_CHUNK_BUDGET", 16 * sft.padded_cols(SHAPE[1]) * 4)
+    calls = []
+    real = sft.lce_forward
+    monkeypatch.setattr(sft, "lce_forward", lambda h, *a, **k: calls.append(h.shape[0]) or real(h, *a, **k))
+    case = CASES[1]
+    check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE), case.fn(ref.linear_cross_entropy),
+               case.inputs(), case.ups(), path=dict(sft=True))
+    assert calls == [16, 16, 5]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES[:2] + CONFIDENT_CASES, **IDS)
+def test_3pass_fp16_no_worse_than_torch(case, mode):
+    """fp16 loss and grads within 2x plain PyTorch's fp16 error of fp64, also for confident predictions (the label
+    entry formed in fp32 from the log-prob, the upstream grad applied in fp32 after the GEMM, one rounding each)."""
+    check_no_worse(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE), case.fn(ref.linear_cross_entropy),
+                   case.fn(torch_lowp_cross_entropy), case.inputs(dtype=torch.float16), case.ups(), ("loss",),
+                   out_atol=CONFIDENT_LOSS_ATOL if case.confident else 1e-5)
+
+
+@pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [CASES[1], CONFIDENT_CASES[2]], **IDS)
+def test_3pass_bf16_no_worse_than_torch(case, mode):
+    """bf16 (conftest's interpreter patch): loss and grads within 2x plain PyTorch's bf16 error of fp64."""
+    check_no_worse(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE), case.fn(ref.linear_cross_entropy),
+                   case.fn(torch_lowp_cross_entropy), case.inputs(dtype=torch.bfloat16), case.ups(), ("loss",),
+                   out_atol=CONFIDENT_LOSS_ATOL if case.confident else 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autograd uses
+
+
+def _leaves(inp, dtype=None):
+    return [None if t is None else t.detach().to(dtype or t.dtype).clone().requires_grad_()
+            for t in (inp.hidden, inp.weight, inp.bias)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation(mode):
+    """Two micro-batches (sum loss / kept tokens of the step, as in the README) accumulate into .grad; a loss
+    backpropagated twice with retain_graph doubles it. The 3-pass path's grads equal the 4-pass path's."""
+    inp = make_inputs(SHAPE, bias=True, ignore=0.3)
+    halves = (slice(0, 20), slice(20, None))
+    n_kept = inp.kept.sum()
+    got = {}
+    for path in ("3pass", "4pass"):
+        h, w, b = _leaves(inp)
+        for rows in halves:
+            loss = lce.linear_cross_entropy(h[rows], w, inp.labels[rows], bias=b, reduction="sum", tma=mode,
+                                            sft_path=path, **ALL)
+            (loss / n_kept).backward()
+        got[path] = [h.grad.clone(), w.grad.clone(), b.grad.clone()]
+        for t in (h, w, b):
+            t.grad = None
+        loss = lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma=mode, sft_path=path, **ALL)
+        loss.backward(retain_graph=True)
+        once = [t.grad.clone() for t in (h, w, b)]
+        loss.backward()
+        check_grads([t.grad for t in (h, w, b)], [2 * g for g in once], 1e-6)
+        check_grads(once, got[path], SAME_ORDER_RTOL)  # the mean over the whole batch: the same step
+    check_grads(got["3pass"], got["4pass"], SAME_ORDER_RTOL)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing(use_reentrant):
+    """Under torch.utils.checkpoint (the forward re-run in the backward; the reentrant variant first runs it under
+    no_grad, the plain forward) the grads equal those of the same call without checkpointing, bit for bit, and
+    the 4-pass path's to fp32 summation order."""
+    inp = make_inputs(SHAPE, bias=True, ignore=0.3)
+    g = upstream(())
+    want = {}
+    for path, ckpt in (("3pass", False), ("3pass", True), ("4pass", False)):
+        h, w, b = _leaves(inp)
+
+        def f(h, w, b, path=path):
+            return lce.linear_cross_entropy(torch.tanh(h), w, inp.labels, bias=b, tma="never", sft_path=path, **ALL)
+
+        loss = torch.utils.checkpoint.checkpoint(f, h, w, b, use_reentrant=use_reentrant) if ckpt else f(h, w, b)
+        (loss * g).backward()
+        want[path, ckpt] = [h.grad, w.grad, b.grad]
+    for got, exp in zip(want["3pass", True], want["3pass", False]):
+        assert torch.equal(got, exp)
+    check_grads(want["3pass", False], want["4pass", False], SAME_ORDER_RTOL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Edge cases
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_3pass_all_tokens_ignored(reduction, mode):
+    """All tokens ignored: loss exactly 0.0 (not NaN) and every gradient exactly zero."""
+    inp = make_inputs(SMALL, bias=True)
+    inp.labels.fill_(-100)
+    with _sft_path_ran(mode):
+        (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, label_smoothing=0.1, z_loss=0.02,
+                                  tma=mode, **THREE), inp, [upstream(())])
+    assert loss.item() == 0.0
+    for g, t in zip(grads, (inp.hidden, inp.weight, inp.bias)):
+        assert g.shape == t.shape and not g.any()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_3pass_zero_tokens(reduction):
+    """No tokens: a 0.0 loss and zero grads of the right shapes, without a launch."""
+    inp = make_inputs((0, SMALL[1], SMALL[2]), bias=True)
+    before = tma.last_decision(FWD)
+    (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, tma="always", **THREE), inp,
+                         [upstream(())])
+    assert tma.last_decision(FWD) is before
+    assert loss.shape == () and loss.item() == 0.0
+    for g, t in zip(grads, (inp.hidden, inp.weight, inp.bias)):
+        assert g.shape == t.shape and not g.any()
+
+
+@pytest.mark.parametrize("mode", ["auto", "never"])
+@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay.name != "odd pitch"], ids=lambda lay: lay.name)
+def test_3pass_noncontiguous_hidden(layout, mode):
+    """A strided hidden view (transposed: pointer loads; an aligned column slice: TMA in place) gives the
+    reference's loss and grads; the d_weight GEMM reads the view with its strides."""
+    inp, ups = make_inputs(SMALL, bias=True, ignore=0.2), [upstream(())]
+    inp.hidden = layout.make(inp.hidden)
+    check_fp32(mode, call(lce.linear_cross_entropy, tma=mode, **THREE), call(ref.linear_cross_entropy), inp, ups,
+               view=layout.view, path=dict(hidden=layout.tma_reason is None, sft=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which path runs
+
+
+def test_auto_path_follows_the_memory_rule(monkeypatch):
+    """"auto" takes the 3-pass path at interpreter sizes and the 4-pass path once the rule says the kept
+    d(logits) does not fit; "none", per-token outputs and no-grad calls never launch the 3-pass kernel."""
+    inp = make_inputs(SMALL)
+    h, w = _leaves(inp)[:2]
+    with expect_path("never", sft=True):
+        lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()
+    with expect_path("never", sft=True):
+        lce.LinearCrossEntropyLoss(reduction="sum", tma="never")(h, w, inp.labels).backward()
+    with expect_path("never", sft=False):
+        lce.LinearCrossEntropyLoss(tma="never", sft_path="4pass")(h, w, inp.labels).backward()
+    with expect_path("never", sft=False):
+        lce.linear_cross_entropy(h, w, inp.labels, reduction="none", tma="never").sum().backward()
+    before = tma.last_decision(SFT)
+    with torch.no_grad(), expect_path("never", backward=False):
+        lce.linear_cross_entropy(h, w, inp.labels, tma="never", **THREE)
+    lce.linear_logprobs_entropy(h, w, inp.labels, tma="never")[0].sum().backward()
+    assert tma.last_decision(SFT) is before
+    monkeypatch.setattr(sft, "EXTRA_BUDGET", -SMALL[1] * SMALL[2] * 4)  # nothing fits
+    with expect_path("never", sft=False):
+        lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()
+    with expect_path("never", sft=True):
+        lce.linear_cross_entropy(h, w, inp.labels, tma="never", **THREE).backward()
+
+
+@pytest.mark.parametrize("N, H, V, three", [
+    (8192, 4096, 128256, True), (32768, 4096, 128256, False), (16384, 3584, 152064, False),
+    (8192, 2304, 256000, False), (1937, 3584, 152064, True), (2169, 896, 151936, True), (1, 16, 32000, True)])
+def test_memory_rule_on_real_shapes(N, H, V, three):
+    """The documented rule on the benchmark's bf16 shapes: kept d(logits) + scratch <= V H 4 bytes + 512 MiB."""
+    assert sft.use_3pass("auto", N, V, H, 2) is three
+    assert (sft.extra_bytes(N, V, H, 2) <= V * H * 4 + 512 * 2**20) is three
+    assert sft.use_3pass("3pass", N, V, H, 2) and not sft.use_3pass("4pass", N, V, H, 2)
+    assert sft.extra_bytes(N, V, H, 2) >= N * V * 2
+    assert sft.chunk_rows(128256, 128) * sft.padded_cols(128256) * 4 <= sft.LOGITS_CHUNK_BUDGET
+
+
+def test_store_z_config():
+    """The logits-storing forward keeps tiles under 128 x 128 and re-tiles larger ones to the 128 x 128 x 64,
+    8-warp, 4-stage config that compiles for sm_90 without spills within its shared memory."""
+    small = KernelConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    assert sft.store_z_config(small) == small
+    big = sft.store_z_config(KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8,
+                                          num_stages=3, flatten=True))
+    assert big == KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4,
+                               flatten=True)
+
+
+PATH_ERRORS = [
+    pytest.param(dict(sft_path="2pass"), "sft_path must be one of ('auto', '3pass', '4pass'), got '2pass'",
+                 id="unknown"),
+    pytest.param(dict(sft_path=None), "sft_path must be one of ('auto', '3pass', '4pass'), got None", id="None"),
+    pytest.param(dict(sft_path="3pass", reduction="none"),
+                 "sft_path must be 'auto' or '4pass' with reduction='none', got '3pass'", id="3pass with none"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", PATH_ERRORS)
+def test_sft_path_errors(kwargs, match):
+    """A bad sft_path raises ValueError before anything is launched (with grad, and under no_grad too)."""
+    inp = make_inputs(SMALL)
+    h = inp.hidden.clone().requires_grad_()
+    before = {op: tma.last_decision(op) for op in (FWD, SFT)}
+    for ctx in (torch.enable_grad(), torch.no_grad()):
+        with ctx, pytest.raises(ValueError, match=re.escape(match)):
+            lce.linear_cross_entropy(h, inp.weight, inp.labels, **kwargs)
+    assert {op: tma.last_decision(op) for op in (FWD, SFT)} == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.compile and the custom ops
+
+
+def test_3pass_torch_compile_fullgraph():
+    """torch.compile(fullgraph=True) traces the 3-pass path (its d(logits) saved for the backward) without graph
+    breaks; loss and grads equal eager."""
+    torch._dynamo.reset()
+
+    def step(x, w, b, labels):
+        return lce.linear_cross_entropy(torch.tanh(x) * 3.0, w, labels, bias=b, label_smoothing=0.1, z_loss=0.02,
+                                        tma="never", **THREE)
+
+    inp, ups = make_inputs(SMALL, bias=True, ignore=0.2), [upstream(())]
+    (want,), want_grads = run(step, inp, ups)
+    try:
+        with _sft_path_ran("never"):
+            (loss,), grads = run(torch.compile(step, fullgraph=True, backend="aot_eager"), inp, ups)
+    finally:
+        torch._dynamo.reset()
+    assert_close(loss, want, 1e-6, "loss")
+    check_grads(grads, want_grads, 1e-6)
+
+
+def test_sft_custom_ops_opcheck():
+    """torch.library.opcheck: schema, autograd registration and fake kernels of both 3-pass ops agree with the
+    real ones; the backward op also with a transposed hidden (strides of the fake d_hidden)."""
+    inp = make_inputs((5, 20, 16), bias=True)
+    opts = dict(ignore_index=-100, label_smoothing=0.1, z_loss=0.0, softcap=0.0, temperature=1.0, tma="never",
+                check=True, mean=True)
+    fwd = _op_args("lce_sft_forward", hidden=inp.hidden.clone().requires_grad_(),
+                   weight=inp.weight.clone().requires_grad_(), labels=inp.labels, bias=inp.bias, **opts)
+    torch.library.opcheck(lce_sft_forward_op, fwd, test_utils=("test_schema", "test_autograd_registration",
+                                                               "test_faketensor"))
+    _, dl = lce_sft_forward_op(*fwd)
+    for hidden in (inp.hidden, inp.hidden.t().contiguous().t()):
+        bwd = _op_args("lce_sft_backward", hidden=hidden, weight=inp.weight, bias=inp.bias, dlogits=dl.detach(),
+                       g=upstream(()), need_hidden_grad=True, need_weight_grad=True)
+        torch.library.opcheck(lce_sft_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
+
