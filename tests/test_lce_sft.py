@@ -217,10 +217,14 @@ def test_3pass_noncontiguous_hidden(layout, mode):
 
 
 def test_auto_path_follows_the_memory_rule(monkeypatch):
-    """"auto" takes the 3-pass path at interpreter sizes and the 4-pass path once the rule says the kept
-    d(logits) does not fit; "none", per-token outputs and no-grad calls never launch the 3-pass kernel."""
+    """"auto" takes the 3-pass path at interpreter sizes (token threshold lowered) and the 4-pass path once the
+    rule says the kept d(logits) does not fit, or below the threshold; "none", per-token outputs and no-grad
+    calls never launch the 3-pass kernel."""
     inp = make_inputs(SMALL)
     h, w = _leaves(inp)[:2]
+    with expect_path("never", sft=False):
+        lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()  # fewer than MIN_TOKENS_3PASS tokens
+    monkeypatch.setattr(sft, "MIN_TOKENS_3PASS", 1)
     with expect_path("never", sft=True):
         lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()
     with expect_path("never", sft=True):
@@ -241,13 +245,16 @@ def test_auto_path_follows_the_memory_rule(monkeypatch):
         lce.linear_cross_entropy(h, w, inp.labels, tma="never", **THREE).backward()
 
 
-@pytest.mark.parametrize("N, H, V, three", [
-    (8192, 4096, 128256, True), (32768, 4096, 128256, False), (16384, 3584, 152064, False),
-    (8192, 2304, 256000, False), (1937, 3584, 152064, True), (2169, 896, 151936, True), (1, 16, 32000, True)])
-def test_memory_rule_on_real_shapes(N, H, V, three):
-    """The documented rule on the benchmark's bf16 shapes: kept d(logits) + scratch <= V H 4 bytes + 512 MiB."""
+@pytest.mark.parametrize("N, H, V, fits, three", [
+    (8192, 4096, 128256, True, True), (32768, 4096, 128256, False, False), (16384, 3584, 152064, False, False),
+    (8192, 2304, 256000, False, False), (1937, 3584, 152064, True, False), (2169, 896, 151936, True, False),
+    (1, 16, 32000, True, False), (4096, 4096, 128256, True, True)])
+def test_memory_rule_on_real_shapes(N, H, V, fits, three):
+    """The documented rule on the benchmark's bf16 shapes: "auto" takes the 3-pass path from MIN_TOKENS_3PASS
+    tokens, where kept d(logits) + scratch <= V H 4 bytes + 512 MiB."""
     assert sft.use_3pass("auto", N, V, H, 2) is three
-    assert (sft.extra_bytes(N, V, H, 2) <= V * H * 4 + 512 * 2**20) is three
+    assert (sft.extra_bytes(N, V, H, 2) <= V * H * 4 + 512 * 2**20) is fits
+    assert three == (fits and N >= sft.MIN_TOKENS_3PASS)
     assert sft.use_3pass("3pass", N, V, H, 2) and not sft.use_3pass("4pass", N, V, H, 2)
     assert sft.extra_bytes(N, V, H, 2) >= N * V * 2
     assert sft.chunk_rows(128256, 128) * sft.padded_cols(128256) * 4 <= sft.LOGITS_CHUNK_BUDGET

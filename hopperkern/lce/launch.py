@@ -283,16 +283,15 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 
     The config, TMA decision and launches come from a cached plan (:func:`forward_plan_for`).
     """
+    if not hidden2d.is_cuda or _tma.interpreter_active():
+        _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     N = hidden2d.shape[0]
     dev = hidden2d.device
     if N == 0:
-        _tma.check_interpreter(hidden2d.dtype, "lce.forward")
         f32 = dict(dtype=torch.float32, device=dev)
         return tuple(torch.zeros(0, **f32) for _ in range(4))
     plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
                             config=config, z_out=z_out)
-    if plan.interpreted:
-        _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     _tma.record_decision(plan.decision)
     m, s, t, sumz, zl = _stats(plan, N, dev)
     b_arg = bias if bias is not None else weight
@@ -404,6 +403,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     ``ignore_index`` meaning "held by another shard" (its token keeps every term but the label column's C), and
     ``fp32_hidden_grad`` returns d_hidden as the fp32 sum itself, to be summed across ranks before one rounding.
     """
+    if not hidden2d.is_cuda or _tma.interpreter_active():
+        _tma.check_interpreter(hidden2d.dtype, "lce.backward")  # no launch the interpreter gets wrong
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
@@ -414,7 +415,6 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
         warnings.warn("lce_backward: zlab is deprecated and ignored (the label's logit is logprob + lse)",
                       DeprecationWarning, stacklevel=2)
     if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
-        _tma.check_interpreter(dt, "lce.backward")
         d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
         d_w = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
         return d_h, d_w, torch.zeros_like(bias) if bias is not None else None
@@ -430,8 +430,6 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
                                                                  V_total, None))
     else:
         plan = _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts, flags, V_total, config)
-    if plan.interpreted:
-        _tma.check_interpreter(dt, "lce.backward")  # no launch the interpreter gets wrong
     _tma.record_decision(plan.decision)
     # Every vocab slice of d_weight and d_bias is written once below: no memset of the [V, H] gradient.
     d_w = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None

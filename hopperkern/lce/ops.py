@@ -192,13 +192,16 @@ def _sft_setup_context(ctx, inputs, output):
     dlogits = output[1]
     ctx.mark_non_differentiable(dlogits)
     ctx.save_for_backward(hidden, weight, bias, dlogits)
+    # Without this autograd would fill a zero gradient for dlogits ([N, V]: as large as dlogits itself) before
+    # every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _sft_backward(ctx, g_loss, _):
     hidden, weight, bias, dlogits = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = bias is not None and ctx.needs_input_grad[3]
-    if not (need_h or need_w or need_b):
+    if g_loss is None or not (need_h or need_w or need_b):
         return (None,) * 12
     dh, dw, db = lce_sft_backward_op(hidden, weight, bias, dlogits, g_loss, need_h, need_w)
     return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 8

@@ -36,11 +36,15 @@ from ..tuning import KernelConfig
 from ._kernels import lce_sft_dlogits_kernel
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
-__all__ = ["SFT_PATHS", "EXTRA_BUDGET", "LOGITS_CHUNK_BUDGET", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
+__all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "LOGITS_CHUNK_BUDGET", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
            "extra_bytes", "budget_bytes", "store_z_config", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
 
 SFT_PATHS = ("auto", "3pass", "4pass")
 EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
+# "auto" takes the 3-pass path from this many tokens. Measured on the H200 (bf16, one run): at 1937 and 2169 tokens
+# it took 1.17x and 1.43x the 4-pass path's time (four small token chunks, each a partly filled wave of the
+# logits-storing forward); at 8192, 16384 and 32768 tokens (H 4096 and 3584) 0.83-0.90x.
+MIN_TOKENS_3PASS = 4096
 LOGITS_CHUNK_BUDGET = 256 * 2**20  # bytes of the forward's fp32 [C, V] logits of one token chunk
 DW_SLICE_BUDGET = 32 * 2**20  # bytes of the backward's fp32 [Vs, H] d_weight slice (small enough to stay in L2)
 _SFT_OP = "lce.sft_dlogits"  # the d(logits) launch's name in tma.last_decision
@@ -88,11 +92,11 @@ def check_sft_path(sft_path, reduction: str, *, sharded: bool = False) -> None:
 
 def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int) -> bool:
     """Whether a differentiable sum/mean call takes the 3-pass path: ``"3pass"`` always, ``"4pass"`` never,
-    ``"auto"`` when :func:`extra_bytes` <= :func:`budget_bytes`."""
+    ``"auto"`` when N >= ``MIN_TOKENS_3PASS`` and :func:`extra_bytes` <= :func:`budget_bytes`."""
     check_choice("sft_path", sft_path, SFT_PATHS)
     if sft_path != "auto":
         return sft_path == "3pass"
-    return extra_bytes(N, V, H, elem) <= budget_bytes(V, H)
+    return N >= MIN_TOKENS_3PASS and extra_bytes(N, V, H, elem) <= budget_bytes(V, H)
 
 
 _STORE_Z_TILE = 128 * 128  # BLOCK_N x BLOCK_V from which a forward that stores its logits is re-tiled
