@@ -84,6 +84,7 @@ def test_3pass_token_chunks(mode, monkeypatch):
     """A logits budget of 16 rows cuts the forward into 3 token chunks (16, 16, 5 of N=37): each chunk's logits and
     d(logits) land in the right rows."""
     monkeypatch.setattr(sft, "LOGITS_CHUNK_BUDGET", 16 * sft.padded_cols(SHAPE[1]) * 4)
+    monkeypatch.setattr(sft, "LOGITS_CHUNK_MAX", 16 * sft.padded_cols(SHAPE[1]) * 4)
     calls = []
     real = sft.lce_forward
     monkeypatch.setattr(sft, "lce_forward", lambda h, *a, **k: calls.append(h.shape[0]) or real(h, *a, **k))
@@ -258,6 +259,11 @@ def test_memory_rule_on_real_shapes(N, H, V, fits, three):
     assert sft.use_3pass("3pass", N, V, H, 2) and not sft.use_3pass("4pass", N, V, H, 2)
     assert sft.extra_bytes(N, V, H, 2) >= N * V * 2
     assert sft.chunk_rows(128256, 128) * sft.padded_cols(128256) * 4 <= sft.LOGITS_CHUNK_BUDGET
+    chunk = sft.chunk_bytes(N, V, H, 2)
+    assert sft.LOGITS_CHUNK_BUDGET <= chunk <= sft.LOGITS_CHUNK_MAX
+    if fits:  # the chunk takes only what the budget leaves beside the kept d(logits)
+        assert N * sft.padded_cols(V) * 2 + min(N, sft.chunk_rows(V, 128, chunk)) * sft.padded_cols(V) * 4 <= \
+            max(sft.budget_bytes(V, H), N * sft.padded_cols(V) * 2 + sft.LOGITS_CHUNK_BUDGET)
 
 
 def test_store_z_config():
