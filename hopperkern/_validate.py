@@ -58,6 +58,11 @@ _VALIDATED: dict = {}  # argument metadata that passed validation once -> True
 _VALIDATED_MAX = 1024
 
 
+def real_tensor(t) -> bool:
+    """A plain tensor with memory (not meta, not a FakeTensor or other subclass): what an eager launch path needs."""
+    return type(t) in _PLAIN_TENSORS and not t.is_meta
+
+
 def tensor_meta(t):
     """What the validation of one tensor argument depends on: dtype, shape, device and layout of a plain tensor,
     ``()`` for None, and None for anything else (a subclass, a DTensor, a non-tensor: validate on every call)."""
@@ -75,9 +80,13 @@ def sync_check(name: str, value, t: torch.Tensor) -> bool:
     affected tokens' outputs and gradients into NaN."""
     if value is True or value is False:
         return value
-    if isinstance(value, str) and value == "auto":
-        return not t.is_cuda
-    raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
+    if isinstance(value, str):
+        if value == "auto":
+            return not t.is_cuda
+        raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
+    if value is None:
+        raise ValueError(f"{name} must be True, False or 'auto', got None")
+    return bool(value)  # 0 / 1, numpy bools: their truth value, as before "auto" existed
 
 
 def options_key(*values) -> tuple:

@@ -181,6 +181,44 @@ def test_moe_plan_training_and_inference(mode):
     assert len(moe_ops._FORWARD_PLANS) == 2
 
 
+@pytest.mark.parametrize("layout", ["sliced", "transposed"])
+def test_moe_plan_per_top_k(layout):
+    """Ids of k = 2 and k = 3 sliced from one wider tensor (the same strides) are different plans."""
+    x, w13, w2, _, _ = moe_inputs(T=8)
+    gen = torch.Generator().manual_seed(3)
+    weights, ids = moe.route(torch.randn((8, 4), generator=gen).to(DEVICE), 4)
+    if layout == "transposed":
+        weights, ids = weights.T.contiguous().T, ids.T.contiguous().T
+    for k in (2, 3):
+        out = moe.fused_moe(x, w13, w2, weights[:, :k], ids[:, :k], tma="never")
+        assert rel(out, moe_ref.fused_moe(x, w13, w2, weights[:, :k], ids[:, :k])) < 1e-5, k
+
+
+def test_meta_tensors_get_shapes():
+    """Meta tensors (shape inference) go to the ops' fake implementations, with and without grad."""
+    h = torch.empty((5, 16), device="meta", requires_grad=True)
+    w = torch.empty((32, 16), device="meta", requires_grad=True)
+    y = torch.empty(5, dtype=torch.int64, device="meta")
+    assert lce.linear_cross_entropy(h, w, y, check_labels=False).shape == ()
+    with torch.no_grad():
+        lp, ent = lce.linear_logprobs_entropy(h, w, y, check_labels=False)
+    assert lp.shape == ent.shape == (5,) and lp.is_meta
+    x = torch.empty((5, 16), device="meta")
+    w13, w2 = torch.empty((4, 16, 16), device="meta"), torch.empty((4, 16, 8), device="meta")
+    tw, ids = torch.empty((5, 2), device="meta"), torch.empty((5, 2), dtype=torch.int32, device="meta")
+    assert moe.fused_moe(x, w13, w2, tw, ids, check_ids=False).shape == (5, 16)
+
+
+def test_double_backward_raises():
+    """A second derivative through the LCE raises (it is not implemented) instead of dropping a term."""
+    h, w, y = lce_inputs()
+    h.requires_grad_()
+    loss = lce.linear_cross_entropy(h, w, y, tma="never")
+    (gh,) = torch.autograd.grad(loss, h, create_graph=True)
+    with pytest.raises(RuntimeError):
+        (gh ** 2).sum().backward()
+
+
 def test_launch_checks_dtypes_and_keeps_no_tensors():
     """A Launch refuses a tensor of another dtype than it was built for, and keeps none of its build tensors."""
     from hopperkern.moe._gemm_kernels import _topk_sum_kernel
@@ -204,9 +242,10 @@ def test_sync_check_modes():
 
     assert sync_check("check_ids", True, OnGpu()) and not sync_check("check_ids", False, cpu)
     assert sync_check("check_ids", "auto", cpu) and not sync_check("check_ids", "auto", OnGpu())
-    for bad in ("yes", 1, None):
+    for bad in ("yes", "True", None):
         with pytest.raises(ValueError, match="check_ids must be True, False or 'auto'"):
             sync_check("check_ids", bad, cpu)
+    assert sync_check("check_ids", 1, OnGpu()) and not sync_check("check_ids", 0, cpu)
 
 
 def test_auto_checks_raise_on_cpu():

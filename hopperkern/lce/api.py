@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import options_key, sync_check, tensor_meta, validate_once
+from .._validate import options_key, real_tensor, sync_check, tensor_meta, validate_once
 from . import sft
 from .launch import validate_inputs
 from .ops import LceFunction, lce_forward_impl, lce_forward_op, lce_sft_forward_op
@@ -34,13 +34,14 @@ def _forward(process_group, grad: bool, *args):
     """Per-token (loss, logprob, entropy, lse) from the op's arguments (pick_label = grad): the vocab-parallel path
     over ``process_group`` (:mod:`hopperkern.lce.distributed`); the custom op when torch.compile traces; its
     autograd function when autograd records an eager call; otherwise the op's function, called directly (no
-    dispatcher work, one output allocation)."""
+    dispatcher work, one output allocation). Meta and fake tensors go to the op, whose fake implementation gives
+    the outputs' shapes."""
     if process_group is not None:
         from .distributed import vocab_parallel_forward  # on first use: it imports torch.distributed and dynamo
 
         return vocab_parallel_forward(process_group, *args, grad)
-    if torch.compiler.is_compiling():
-        return lce_forward_op(*args, grad)
+    if torch.compiler.is_compiling() or not real_tensor(args[0]):
+        return lce_forward_op(*args, grad)  # traced, meta or fake tensors: the op's fake implementation
     if grad:
         return LceFunction.apply(*args)
     return lce_forward_impl(*args, False, True)

@@ -112,9 +112,9 @@ def validate_inputs(hidden, weight, labels, bias, *, ignore_index, label_smoothi
 def check_labels(labels: torch.Tensor, V: int, ignore_index: int) -> None:
     """Raise ValueError naming the labels outside [0, V) that are not ``ignore_index``.
 
-    Cost: one elementwise pass over the N labels plus ONE device->host synchronisation. Callers that
-    guarantee valid labels (and CUDA-graph capture) pass ``check_labels=False`` to the public functions;
-    an invalid label then yields NaN loss/log-prob for that token instead of a wrong number.
+    Cost: one elementwise pass over the N labels plus ONE device->host synchronisation: the public functions run
+    it with ``check_labels=True``, and with the default ``"auto"`` only where it needs no sync (CPU tensors).
+    Unchecked, an invalid label makes its token's outputs and gradients NaN instead of a wrong number.
     """
     if labels.numel() == 0:
         return
@@ -176,7 +176,7 @@ class _ForwardPlan(Plan):
     """What :func:`lce_forward` decides once per problem (see :mod:`hopperkern.tma.launcher`): config, TMA
     decision, vocab splits, and the three launches (label logit when not picked, forward, combine)."""
 
-    __slots__ = ("decision", "S", "stat_rows", "need_t", "need_sumz", "label", "forward", "combine")
+    __slots__ = ("decision", "stat_rows", "need_t", "need_sumz", "label", "forward", "combine")
 
 
 _FORWARD_PLANS = PlanCache("lce.forward")
@@ -214,10 +214,9 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     plan.bind_source(None if config is not None or _tma.interpreter_active() else _tuning.device_config(dev), dev)
     cfg = config or pick_config("forward", hidden2d.dtype, N, H, dev)
     d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
-                               "weight": (weight, (cfg.block_n, cfg.block_k))}, op="lce.forward")
+                               "weight": (weight, (cfg.block_n, cfg.block_k))}, op="lce.forward", record=False)
     plan.decision = d
     S, tps = forward_plan(N, V, cfg, _sm_count(dev))
-    plan.S = S
     need_sumz = opts.label_smoothing > 0
     plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if pick_label else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
@@ -479,7 +478,7 @@ def _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts: LceOptions
     dbuf = torch.empty((N, plan.ld), dtype=dt, device=dev)
     d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
                                "weight": (weight, (cfg.block_n, cfg.block_k)),
-                               "dlogits": (dbuf, (cfg.block_m, cfg.block_n))}, op="lce.backward")
+                               "dlogits": (dbuf, (cfg.block_m, cfg.block_n))}, op="lce.backward", record=False)
     plan.decision = d
     plan.mm_out_dtype = dt != torch.float32 and hidden2d.is_cuda and _tma.torch_mm_out_dtype(dev, dt)
     has = dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), flags))

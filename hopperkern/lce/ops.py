@@ -144,6 +144,7 @@ class LceFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
     def backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
         dh, dw, db = _grads(ctx, lce_backward_impl, g_loss, g_logprob, g_entropy, g_lse)
         return (dh, dw, None, db) + (None,) * 8

@@ -13,8 +13,8 @@ never mixes experts::
     num_blocks        int32 [1] on the device: num_padded // block_m
 
 Inside an expert, slots appear in increasing slot order, so the plan is deterministic. Slots with id -1 (the
-expert-parallel "not on this rank" marker) are dropped; so are ids outside ``[0, E)`` (callers validate ids
-first: :func:`hopperkern.moe.fused_moe` does, unless ``check_ids=False``).
+expert-parallel "not on this rank" marker) are dropped; so are ids outside ``[0, E)``, whose tokens the top-k
+sums of :func:`hopperkern.moe.fused_moe` then turn into NaN rows (or its ``check_ids`` refuses them first).
 
 :func:`direct_plan` is the no-launch alternative for tiny batches (see its docstring).
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import tma as _tma
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
-from .._validate import check_same_dtype, options_key, sync_check, tensor_meta, validate_once
+from .._validate import check_same_dtype, options_key, real_tensor, sync_check, tensor_meta, validate_once
 from ..tuning import MoeConfig
 from .gemm import ACTIVATIONS
 from .ops import SAVE_NONE, SAVE_PLAN, SAVE_PRE, check_expert_ids, config_to_list, moe_forward_op, moe_forward_run
@@ -109,6 +109,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         return torch.zeros((T, H), dtype=hidden.dtype, device=hidden.device)
     save = (SAVE_PLAN if recompute else SAVE_PRE) if grad else SAVE_NONE
     # Inference in eager mode needs neither autograd nor tracing: call the op's function without the dispatcher.
-    op = moe_forward_run if not grad and not torch.compiler.is_compiling() else moe_forward_op
+    eager = not grad and not torch.compiler.is_compiling() and real_tensor(hidden)  # meta/fake: the op's fake impl
+    op = moe_forward_run if eager else moe_forward_op
     return op(hidden, w13, w2, topk_weights, topk_ids, activation, tma, sync_check("check_ids", check_ids, topk_ids),
               bool(deterministic), None if config is None else config_to_list(config), save)[0]

@@ -29,11 +29,6 @@ __all__ = ["ACTIVATIONS", "down", "gate_up", "slot_gemm_sum", "topk_sum"]
 ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
 
-def _slots(plan: AlignPlan) -> torch.Tensor:
-    # A direct plan hands the kernels the flattened ids where a sorted plan hands the sorted slots.
-    return plan.direct_ids if plan.direct else plan.sorted_slots
-
-
 def _check_shape(what: str, name: str, t: torch.Tensor, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{what}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")

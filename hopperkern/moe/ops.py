@@ -38,7 +38,8 @@ def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     """Raise ValueError naming the ids of ``topk_ids`` outside ``[-1, num_experts)``.
 
     Costs one device->host synchronisation (a boolean reduction read back), i.e. tens of microseconds on a
-    GPU and a break in CUDA-graph capture; skip it with ``fused_moe(..., check_ids=False)``."""
+    GPU and a break in CUDA-graph capture: ``fused_moe`` runs it with ``check_ids=True``, and with the default
+    ``"auto"`` only where it needs no sync (CPU tensors). Unchecked, a bad id makes its token's output NaN."""
     bad = (topk_ids < -1) | (topk_ids >= num_experts)
     if bool(bad.any()):
         vals = torch.unique(topk_ids[bad]).tolist()
@@ -113,7 +114,8 @@ def moe_forward_run(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tenso
         with launch_context(hidden, "moe.fused_moe"):
             return _empty_problem(hidden, w13, topk_ids, config, save)
     key = (hidden.device, hidden.dtype, hidden.shape, hidden.stride(), w13.shape, w13.stride(), w2.shape, w2.stride(),
-           topk_weights.dtype, topk_weights.stride(), topk_ids.dtype, topk_ids.stride(), activation, tma,
+           topk_weights.dtype, topk_weights.shape, topk_weights.stride(), topk_ids.dtype, topk_ids.shape,
+           topk_ids.stride(), activation, tma,
            deterministic, None if config is None else tuple(config), save, env_key(),
            alignment_key(hidden, w13, w2, topk_weights, topk_ids))
     plan = _FORWARD_PLANS.get(key)
@@ -188,9 +190,10 @@ class ForwardPlan(Plan):
                               inter=(env["inter"], (bm, cfg.gemm1.block_n)),
                               **({} if save != SAVE_PRE else dict(
                                   pre_gate=(env["pre_gate"], (bm, cfg.gemm1.block_n)),
-                                  pre_up=(env["pre_up"], (bm, cfg.gemm1.block_n))))), op="moe.gemm1")
+                                  pre_up=(env["pre_up"], (bm, cfg.gemm1.block_n))))), op="moe.gemm1",
+                    record=False)
         d2 = decide(tma, dict(inter=(env["inter"], (bm, cfg.gemm2.block_k)),
-                              w2=(w2, (1, cfg.gemm2.block_n, cfg.gemm2.block_k))), op="moe.gemm2")
+                              w2=(w2, (1, cfg.gemm2.block_n, cfg.gemm2.block_k))), op="moe.gemm2", record=False)
         self.decisions = (d1, d2)
         steps = [] if self.direct else align_steps(env, T * k, E, bm, sample.max_blocks)
         steps.append(gate_up_step(env, sample, cfg.gemm1, activation, d1, save == SAVE_PRE))

@@ -130,11 +130,14 @@ _LAST: dict[str, TmaDecision] = {}
 _COUNT: dict[str, int] = {}  # op -> launches recorded (fresh decisions and cached plans' alike)
 
 
-def decide(mode: str, operands: Mapping[str, tuple[object, Sequence[int]]], *, op: str) -> TmaDecision:
+def decide(mode: str, operands: Mapping[str, tuple[object, Sequence[int]]], *, op: str,
+           record: bool = True) -> TmaDecision:
     """Decide TMA per operand for one launch of ``op``.
 
     ``operands`` maps a name to ``(tensor, block_shape)``. ``"never"``: all pointer loads. ``"auto"``: TMA
     for each eligible operand. ``"always"``: TMA for all, or :class:`UnsupportedError` listing the reasons.
+    ``record=False`` (a launch plan's build, which records its decision when it launches): not reported by
+    :func:`last_decision` / :func:`decision_count` here.
     """
     m = resolve_mode(mode)
     if m == "never":
@@ -147,7 +150,8 @@ def decide(mode: str, operands: Mapping[str, tuple[object, Sequence[int]]], *, o
         d = TmaDecision(op, m, {k: not rs for k, rs in why.items()}, why)
     if any(d.use.values()):
         ensure_allocator()
-    record_decision(d)
+    if record:
+        record_decision(d)
     return d
 
 
