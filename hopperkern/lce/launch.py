@@ -434,7 +434,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     d_w = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
     d_b = torch.empty(V, dtype=torch.float32, device=dev) if bias is not None else None
     dbuf = torch.empty((N, plan.ld), dtype=dt, device=dev)
-    acc_h = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
+    # The first slice's GEMM writes acc_h with beta = 0: no fill.
+    acc_h = torch.empty((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
     grads = [g if g is not None else lse for g in (g_loss, g_logprob, g_entropy, g_lse)]
     b_arg = bias if bias is not None else weight
     for col_begin, ncols, dlogits, onehot in plan.slices:
@@ -448,7 +449,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             # One GEMM over all N tokens: fp32 accumulation inside cuBLAS, written once in the weight dtype.
             torch.mm(dl.t(), hidden2d, out=d_w[col_begin:col_begin + ncols])
         if need_hidden_grad:
-            _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols], out_dtype_mm=plan.mm_out_dtype)
+            _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols], beta=int(col_begin > 0),
+                        out_dtype_mm=plan.mm_out_dtype)
         if d_b is not None:
             d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)
     d_h = (acc_h if fp32_hidden_grad else acc_h.to(dt)) if need_hidden_grad else None
