@@ -173,6 +173,9 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     no-grad call takes it from a cheaper dot product: its log-probs agree with a differentiable call's to fp32
     rounding (~1e-6), not bit for bit.
 
+    ``check_labels``: as for :func:`linear_cross_entropy`; by default ("auto") no host sync on a GPU, and a kept
+    label outside [0, V) gives its token NaN log-prob and entropy (and NaN gradients).
+
     ``process_group``: a ``torch.distributed.ProcessGroup`` over which the head is vocab-parallel, as for
     :func:`linear_cross_entropy`: ``weight`` holds this rank's contiguous rows (shards in rank order, uneven or
     empty ones allowed), labels are global ids, and every rank gets the unsharded call's log-probs and entropies
