@@ -41,7 +41,7 @@ from ._align_kernels import (
     _align_small_kernel,
 )
 
-__all__ = ["AlignPlan", "align_steps", "direct_plan", "max_blocks_for", "moe_align", "plan_tensors", "prefer_direct",
+__all__ = ["AlignPlan", "align_steps", "direct_plan", "empty_plan", "max_blocks_for", "moe_align", "plan_tensors", "prefer_direct",
            "scratch_shapes", "scratch_tensors"]
 
 _SMALL_MAX_SLOTS = 1024  # up to this many slots, one program builds the whole plan (one launch)
@@ -131,20 +131,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
-    T, k = topk_ids.shape
-    E = int(num_experts)
-    num_slots = T * k
-    dev = topk_ids.device
-    max_blocks = max_blocks_for(num_slots, E, block_m)
-    i32 = dict(dtype=torch.int32, device=dev)
-    plan = AlignPlan(
-        sorted_slots=torch.empty(max_blocks * block_m, **i32),
-        block_expert=torch.empty(max_blocks, **i32),
-        expert_offsets=torch.empty(E + 1, **i32),
-        expert_counts=torch.empty(E, **i32),
-        num_blocks=torch.empty(1, **i32),
-        block_m=block_m, max_blocks=max_blocks, num_slots=num_slots, top_k=k, num_experts=E,
-    )
+    plan = empty_plan(topk_ids, num_experts, block_m)
+    num_slots, E, max_blocks, dev = plan.num_slots, plan.num_experts, plan.max_blocks, topk_ids.device
     if num_slots == 0:
         plan.expert_offsets.zero_()
         plan.expert_counts.zero_()
@@ -155,6 +143,18 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
         env = dict(ids=ids, **plan_tensors(plan), **scratch_tensors(num_slots, E, dev))
         run_steps(align_steps(env, num_slots, E, block_m, max_blocks), env)
     return plan
+
+
+def empty_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
+    """An :class:`AlignPlan` of ``topk_ids``' shape with its device tensors allocated, not yet written."""
+    T, k = topk_ids.shape
+    E = int(num_experts)
+    max_blocks = max_blocks_for(T * k, E, block_m)
+    i32 = dict(dtype=torch.int32, device=topk_ids.device)
+    return AlignPlan(sorted_slots=torch.empty(max_blocks * block_m, **i32), block_expert=torch.empty(max_blocks, **i32),
+                     expert_offsets=torch.empty(E + 1, **i32), expert_counts=torch.empty(E, **i32),
+                     num_blocks=torch.empty(1, **i32), block_m=block_m, max_blocks=max_blocks, num_slots=T * k,
+                     top_k=k, num_experts=E)
 
 
 def plan_tensors(plan: AlignPlan) -> dict:

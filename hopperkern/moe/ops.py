@@ -20,7 +20,7 @@ from torch import Tensor
 from ..tma import decide, interpreter_active, launch_context, record_decision
 from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, run_steps
 from ..tuning import KernelConfig, MoeConfig, device_config
-from .align import AlignPlan, align_steps, direct_plan, max_blocks_for, moe_align, prefer_direct, scratch_shapes
+from .align import AlignPlan, align_steps, direct_plan, empty_plan, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
 from .configs import moe_launch_config
 from .gemm import down_direct_step, gate_up_step, slot_buffer_shape, slot_steps
@@ -67,17 +67,6 @@ def _config(hidden, w13, w2, topk_ids, config) -> MoeConfig:
         return config_from_list(config)
     E, two_i, H = w13.shape
     return moe_launch_config(E, H, two_i // 2, hidden.dtype, hidden.shape[0], topk_ids.shape[1], hidden.device)[0]
-
-
-def moe_align_plan_like(topk_ids, E: int, block_m: int) -> AlignPlan:
-    """An :class:`AlignPlan` with moe_align's shapes, for building launches (its tensors are never read)."""
-    T, k = topk_ids.shape
-    max_blocks = max_blocks_for(T * k, E, block_m)
-    i32 = dict(dtype=torch.int32, device=topk_ids.device)
-    return AlignPlan(sorted_slots=torch.empty(max_blocks * block_m, **i32), block_expert=torch.empty(max_blocks, **i32),
-                     expert_offsets=torch.empty(E + 1, **i32), expert_counts=torch.empty(E, **i32),
-                     num_blocks=torch.empty(1, **i32), block_m=block_m, max_blocks=max_blocks, num_slots=T * k,
-                     top_k=k, num_experts=E)
 
 
 def _empty(hidden, *shape, dtype=None):
@@ -168,7 +157,7 @@ class ForwardPlan(Plan):
             sample = direct_plan(topk_ids, E, bm)
             self.i32 = {}
         else:
-            sample = moe_align_plan_like(topk_ids, E, bm)
+            sample = empty_plan(topk_ids, E, bm)  # shapes only: its tensors are never read
             shapes = dict(sorted_slots=(sample.max_rows,), block_expert=(sample.max_blocks,),
                           expert_offsets=(E + 1,), expert_counts=(E,), num_blocks=(1,))
             shapes.update(scratch_shapes(T * k, E))
