@@ -1,13 +1,13 @@
 """Launch plans: what an op decides on the host once per problem, and direct launches of compiled kernels.
 
-An eager op call used to pay, on every call, for work whose answer only changes with the problem: the tuning
+Without a plan, an eager op call pays on every call for work whose answer only changes with the problem: the tuning
 file lookup, the per-operand TMA decision, grid and split arithmetic, and Triton's own launch path
 (``kernel[grid](...)`` binds and specialises every argument, builds a cache key and launch metadata; about
 10 us of host time for a kernel of 40 arguments). This module holds the two pieces that remove it:
 
 * :class:`PlanCache`: a bounded dict of per-op plans. Ops key a plan on everything the plan depends on (device,
   dtypes, shapes, strides, options, the effective TMA mode, ``HOPPERKERN_CONFIG``) and check on each hit that
-  the tuning file they were built from is unchanged (:func:`hopperkern.tuning.stamp_fresh`, one ``stat``).
+  the tuning file they were built from is unchanged (:meth:`Plan.fresh`, one ``stat``).
   :func:`clear_plans` empties every cache (tests; after adding a tuning file in a running process).
 * :class:`Launch`: one kernel launch with its grid and scalar arguments fixed. Its first call goes through
   ``kernel[grid](...)`` (compiling if needed) and keeps the compiled kernel; later calls pass new tensors to the
