@@ -233,8 +233,8 @@ class ForwardPlan(Plan):
             env["buf"] = env["out"] = torch.empty(self.buf_shape, dtype=torch.float32, device=dev)
         return env
 
-    def run(self, hidden, w13, w2, topk_weights, topk_ids, *, shaped: bool = False):
-        env = self._env(hidden, w13, w2, topk_weights, topk_ids, shaped=shaped or self.interpreted)
+    def run(self, hidden, w13, w2, topk_weights, topk_ids):
+        env = self._env(hidden, w13, w2, topk_weights, topk_ids, shaped=self.interpreted)
         for d in self.decisions:
             record_decision(d)
         run_steps(self.steps, env)

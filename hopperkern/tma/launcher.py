@@ -128,6 +128,9 @@ def clear_plans() -> None:
             cache.clear()
 
 
+_STAMP_CURRENT = None  # hopperkern.tuning.stamp_current, set by the first Plan.bind_source
+
+
 class Plan:
     """Base of the ops' launch plans: where a plan launches and the tuning file it was built from.
 
@@ -138,19 +141,16 @@ class Plan:
 
     def bind_source(self, tuning_config, device) -> None:
         """Record ``tuning_config`` (a TuningConfig, or None) and the device this plan is built for."""
-        from ..tuning import file_stamp
+        global _STAMP_CURRENT
+        from ..tuning import file_stamp, stamp_current
 
+        _STAMP_CURRENT = stamp_current  # fresh() runs on every call: no import statement there
         self.stamp = (None, None) if tuning_config is None else file_stamp(tuning_config)
         self.device = device.index if device.type == "cuda" else -1
         self.interpreted = interpreter_active()
 
     def fresh(self) -> bool:
-        path, mtime = self.stamp
-        if path is None:
-            return True
-        from ..tuning import stamp_current
-
-        return stamp_current(self.stamp)
+        return self.stamp[0] is None or _STAMP_CURRENT(self.stamp)
 
     def launch_here(self) -> bool:
         """Whether this call may skip the launch context (device guard, interpreter checks): a GPU plan whose
