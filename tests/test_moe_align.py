@@ -62,6 +62,7 @@ CASES = [
     Case(50, 4, 300, 32, "E = 300 (histogram wider than 256)"),
     Case(5, 16, 16, 16, "top-k = E: every token on every expert", "permutation"),
     Case(200, 4, 16, 64, "-1 slots dropped (about half)", "sparse"),
+    Case(128, 8, 1000, 16, "one-launch path with many programs: several scatter sub-blocks and block tiles"),
     Case(400, 8, 64, 128, "multi-chunk path (T*k > 1024), block_m 128"),
     Case(2000, 3, 600, 16, "multi-chunk path, E=600 (E_P=1024: several scatter steps per chunk)"),
     Case(70000, 1, 16, 64, "T = 70000: beyond 64k tokens"),

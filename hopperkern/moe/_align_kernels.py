@@ -6,12 +6,16 @@ Slots are the flattened ``topk_ids`` positions ``s = t * top_k + j``. The slots 
 
 Two launch shapes share the same helpers:
 
-- small (one chunk, ``num_slots <= CHUNK``): ONE program does everything (decode: one launch);
-- large: count (grid = chunks) -> scan (one program) -> scatter (grid = chunks) -> blocks (grid = block tiles).
+- small (one chunk, ``num_slots <= CHUNK``): ONE launch. Every program histograms the whole chunk (at most
+  CHUNK ids) for the expert segments, then scatters its own sub-blocks of SUB slots and fills its own block
+  tiles, so no program walks the chunk serially (decode: one launch, a few microseconds);
+- large: count (grid = chunks) -> scan (one program) -> scatter (grid = sub-blocks) -> blocks (grid = block
+  tiles).
 
 Ordering is deterministic: inside an expert, slots appear in increasing slot order (per-(chunk, expert)
-bases from an exclusive scan over chunks, then ranks inside a chunk from small comparison tiles). No sort:
-tl.sort is a bitonic network that is slow on the GPU at 4096 elements and unusably slow in the interpreter.
+bases from an exclusive scan over chunks; a sub-block's base inside its chunk from a histogram of the chunk's
+earlier slots; ranks inside a sub-block from a [SUB, SUB] comparison tile). No sort: tl.sort is a bitonic
+network that is slow on the GPU at 4096 elements and unusably slow in the interpreter.
 """
 
 import triton
@@ -48,27 +52,26 @@ def _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E,
 
 
 @triton.jit
-def _scatter_chunk(ids_ptr, chunk, num_slots, base, sorted_ptr, E, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                   E_P: tl.constexpr):
-    """Write the slot ids of one chunk to their sorted rows.
+def _scatter_sub(ids_ptr, bins, chunk, sub, num_slots, base, sorted_ptr, E, CHUNK: tl.constexpr,
+                 SUB: tl.constexpr, E_P: tl.constexpr):
+    """Write the slot ids of sub-block ``sub`` (SUB slots) of ``chunk`` to their sorted rows.
 
-    ``base`` [E_P] = first sorted row of this chunk's expert-e slots. The chunk is walked in sub-blocks of SUB
-    slots: a slot's rank among the sub-block's earlier slots of its expert comes from a [SUB, SUB] comparison,
-    and a one-hot [SUB, E_P] row-sum gathers ``base`` (no data-dependent register index, no scan: tl.cumsum
-    runs a Python combine per step in the interpreter)."""
+    ``bins`` [CHUNK] = the chunk's bins (:func:`_slot_bins`); ``base`` [E_P] = first sorted row of the chunk's
+    expert-e slots. The sub-block's own base adds a histogram of the chunk's slots before it; a slot's rank
+    among the sub-block's earlier slots of its expert comes from a [SUB, SUB] comparison, and a one-hot
+    [SUB, E_P] row-sum gathers the base (no data-dependent register index, no scan: tl.cumsum runs a Python
+    combine per step in the interpreter)."""
     ex = tl.arange(0, E_P)
     i = tl.arange(0, SUB)
-    nxt = base
-    n_here = tl.minimum(num_slots - chunk * CHUNK, CHUNK)
-    for sub in range(0, tl.cdiv(n_here, SUB)):
-        offs = chunk * CHUNK + sub * SUB + i
-        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)  # check before narrowing int64 ids
-        hot = (e[:, None] == ex[None, :]).to(tl.int32)
-        rank = tl.sum(((e[None, :] == e[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-        dest = tl.sum(hot * nxt[None, :], axis=1) + rank
-        tl.store(sorted_ptr + dest, offs, mask=e < E)
-        nxt += tl.sum(hot, axis=0)
+    earlier = tl.where(tl.arange(0, CHUNK) < sub * SUB, bins, E)  # bin E (dropped) is not counted below
+    nxt = base + tl.where(ex < E, tl.histogram(earlier, E_P), 0)
+    offs = chunk * CHUNK + sub * SUB + i
+    e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)  # check before narrowing int64 ids
+    hot = (e[:, None] == ex[None, :]).to(tl.int32)
+    rank = tl.sum(((e[None, :] == e[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    dest = tl.sum(hot * nxt[None, :], axis=1) + rank
+    tl.store(sorted_ptr + dest, offs, mask=e < E)
 
 
 @triton.jit
@@ -102,13 +105,19 @@ def _align_small_kernel(
     num_slots, E, max_blocks,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """Whole plan in one program (grid (1,)) when all slots fit in one chunk: decode is a single launch."""
+    """Whole plan in one launch when all slots fit in one chunk. Any grid: program p scatters sub-blocks p,
+    p + grid, ... and fills block tiles p, p + grid, ...; program 0 writes the header."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
     ex = tl.arange(0, E_P)
-    tot = tl.where(ex < E, tl.histogram(_slot_bins(ids_ptr, 0, num_slots, E, CHUNK), E_P), 0)
+    bins = _slot_bins(ids_ptr, 0, num_slots, E, CHUNK)
+    tot = tl.where(ex < E, tl.histogram(bins, E_P), 0)
     starts, ends = _expert_layout(tot, BLOCK_M)
-    _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E, BLOCK_M, E_P)
-    _scatter_chunk(ids_ptr, 0, num_slots, starts, sorted_ptr, E, CHUNK, SUB, E_P)
-    for tile in range(0, tl.cdiv(max_blocks, BLOCK_B)):
+    if pid == 0:
+        _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E, BLOCK_M, E_P)
+    for sub in range(pid, tl.cdiv(num_slots, SUB), step):
+        _scatter_sub(ids_ptr, bins, 0, sub, num_slots, starts, sorted_ptr, E, CHUNK, SUB, E_P)
+    for tile in range(pid, tl.cdiv(max_blocks, BLOCK_B), step):
         _fill_blocks(tile, starts, ends, tot, block_expert_ptr, sorted_ptr, max_blocks, num_slots, E,
                      BLOCK_M, BLOCK_B, E_P)
 
@@ -162,11 +171,15 @@ def _align_scatter_kernel(
     num_slots, E,
     CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr,
 ):
-    """Grid (num_chunks,); one program writes the sorted rows of one chunk's slots."""
-    c = tl.program_id(0)
-    ex = tl.arange(0, E_P)
-    base = tl.load(base_ptr + c * E_P + ex, mask=ex < E, other=0)
-    _scatter_chunk(ids_ptr, c, num_slots, base, sorted_ptr, E, CHUNK, SUB, E_P)
+    """Grid (num_chunks * CHUNK // SUB,); one program writes the sorted rows of one sub-block of SUB slots."""
+    p = tl.program_id(0)
+    c = p // (CHUNK // SUB)
+    sub = p % (CHUNK // SUB)
+    if c * CHUNK + sub * SUB < num_slots:  # the last chunk's tail sub-blocks hold no slot
+        ex = tl.arange(0, E_P)
+        base = tl.load(base_ptr + c * E_P + ex, mask=ex < E, other=0)
+        bins = _slot_bins(ids_ptr, c, num_slots, E, CHUNK)
+        _scatter_sub(ids_ptr, bins, c, sub, num_slots, base, sorted_ptr, E, CHUNK, SUB, E_P)
 
 
 @triton.jit(do_not_specialize=["max_blocks", "num_slots", "E"])

@@ -44,7 +44,7 @@ from ._align_kernels import (
 __all__ = ["AlignPlan", "align_steps", "direct_plan", "empty_plan", "max_blocks_for", "moe_align", "plan_tensors", "prefer_direct",
            "scratch_shapes", "scratch_tensors"]
 
-_SMALL_MAX_SLOTS = 1024  # up to this many slots, one program builds the whole plan (one launch)
+_SMALL_MAX_SLOTS = 1024  # up to this many slots, the whole plan is one launch
 _CHUNK = 1024            # slots per program of the multi-program path
 _BLOCK_B = 16            # row blocks per program when filling block_expert and padding
 _TILE_ELEMS = 4096       # size of the one-hot [SUB, E_P] tile of the scatter (registers per program)
@@ -52,10 +52,15 @@ _SUB_MAX = 64            # slots per scatter step (a [SUB, SUB] rank tile)
 
 
 def _scatter_step(e_p: int) -> int:
-    """Slots per scatter step. The interpreter pays per op, not per element, so it takes 16x bigger tiles
-    (same kernel body, a different constexpr)."""
+    """Slots per scatter program. The interpreter pays per op and per program, not per element, so it takes
+    16x bigger tiles (same kernel body, a different constexpr)."""
     scale = 16 if interpreter_active() else 1
     return max(16, min(_SUB_MAX * scale, _TILE_ELEMS * scale // e_p))
+
+
+def _blocks_per_tile() -> int:
+    """Row blocks per block-filling program (16x more under the interpreter, as in :func:`_scatter_step`)."""
+    return _BLOCK_B * (16 if interpreter_active() else 1)
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,7 @@ def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int
     :func:`plan_tensors`, :func:`scratch_shapes`' tensors): one when the slots fit one chunk, four otherwise."""
     e_p = _pow2_at_least(E + 1, 32)  # histogram bins: one per expert plus the "dropped" bin E; >= warp size
     sub = _scatter_step(e_p)
+    block_b = _blocks_per_tile()
 
     def step(kernel, grid, names, *scalars, **kw):
         return Launch(kernel, grid, *[env[n] for n in names], *scalars, **kw), names
@@ -187,19 +193,21 @@ def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int
     if num_slots <= _SMALL_MAX_SLOTS:
         # >= 128 = 4 warps x 32 lanes, so no warp holds a replica of another's slots in the histogram input.
         chunk = _pow2_at_least(num_slots, 128)
-        return [step(_align_small_kernel, (1,), ("ids", "sorted_slots", "block_expert", "expert_offsets",
+        sub = min(sub, chunk)
+        grid = (max(cdiv(num_slots, sub), cdiv(max_blocks, block_b)),)
+        return [step(_align_small_kernel, grid, ("ids", "sorted_slots", "block_expert", "expert_offsets",
                                                  "expert_counts", "num_blocks"),
                      num_slots, E, max_blocks,
-                     BLOCK_M=block_m, CHUNK=chunk, SUB=min(sub, chunk), E_P=e_p, BLOCK_B=_BLOCK_B, num_warps=4)]
+                     BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_P=e_p, BLOCK_B=block_b, num_warps=4)]
     num_chunks = cdiv(num_slots, _CHUNK)
     return [
         step(_align_count_kernel, (num_chunks,), ("ids", "chunk_counts"), num_slots, E, CHUNK=_CHUNK, E_P=e_p,
              num_warps=4),
         step(_align_scan_kernel, (1,), ("chunk_counts", "base", "expert_offsets", "expert_counts", "num_blocks"),
              num_chunks, E, BLOCK_M=block_m, E_P=e_p, BLOCK_C=max(1, _TILE_ELEMS // e_p), num_warps=8),
-        step(_align_scatter_kernel, (num_chunks,), ("ids", "base", "sorted_slots"), num_slots, E, CHUNK=_CHUNK,
+        step(_align_scatter_kernel, (num_chunks * (_CHUNK // sub),), ("ids", "base", "sorted_slots"), num_slots, E, CHUNK=_CHUNK,
              SUB=sub, E_P=e_p, num_warps=4),
-        step(_align_blocks_kernel, (cdiv(max_blocks, _BLOCK_B),),
+        step(_align_blocks_kernel, (cdiv(max_blocks, block_b),),
              ("expert_offsets", "expert_counts", "block_expert", "sorted_slots"), max_blocks, num_slots, E,
-             BLOCK_M=block_m, BLOCK_B=_BLOCK_B, E_P=e_p, num_warps=4),
+             BLOCK_M=block_m, BLOCK_B=block_b, E_P=e_p, num_warps=4),
     ]

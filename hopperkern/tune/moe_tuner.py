@@ -41,18 +41,39 @@ def _fits(cfg: KernelConfig, gemm: int) -> bool:
     return smem_bytes(cfg, 2, 2 if gemm == 1 else 1) <= _SMEM_BUDGET  # bf16; gate/up reads two weight tiles
 
 
-def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
-    """6-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
+def _deepest(bm, bn, bk, stages, gemm, flatten) -> KernelConfig | None:
+    """The decode config (bm, bn, bk, 4 warps) with the most pipeline stages <= ``stages`` that fits shared
+    memory; None below 3 stages (too shallow to stream weights)."""
+    for s in range(stages, 2, -1):
+        c = _k(bm, bn, bk, 4, s, 1, flatten)
+        if _fits(c, gemm):
+            return c
+    return None
 
-    Decode sizes (block_m <= 32) are weight-bandwidth bound: N tiles from 16 to 128 columns (more programs
-    against longer streams per tile), deep K tiles and pipelines. Prefill sizes (block_m >= 64) include
-    flattened tile loops (the persistent kernels prefetch the next tile's K loads under this tile's epilogue).
-    No flattened 128 x 256 down tile: it spills (``python -m benchmarks.compile_moe_sm90`` in a checkout)."""
+
+# Decode (block_m <= 32) candidates as (block_n, block_k, most stages, flatten). Weight-bandwidth bound: deep
+# pipelines of 16-64 KiB stages. The down GEMM's K (= I) is short for fine-grained experts (256-768), so its
+# flattened tile loop, which prefetches the next tile's K loads under this tile's epilogue, streams at the
+# gate/up GEMM's rate; the flattened loop costs the gate/up GEMM nothing at these sizes.
+_DECODE = {
+    1: [(64, 256, 3, True), (64, 128, 6, True), (32, 256, 5, True), (128, 128, 3, True), (128, 64, 6, True),
+        (32, 128, 8, False)],
+    2: [(256, 128, 3, True), (128, 128, 6, True), (128, 256, 3, True), (64, 256, 5, True), (32, 128, 8, True)],
+}
+_DECODE_FUSED = [(128, 256, 3, False), (64, 256, 5, True), (32, 256, 8, True)]
+
+
+def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
+    """5-6 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
+
+    Decode sizes (block_m <= 32): :data:`_DECODE`, each with as many stages as fit. Prefill sizes
+    (block_m >= 64) include flattened tile loops (the persistent kernels prefetch the next tile's K loads
+    under this tile's epilogue). No flattened 128 x 256 down tile: it spills (``python -m
+    benchmarks.compile_moe_sm90`` in a checkout)."""
     if block_m <= 32:
-        t = [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
-             (64, 256, 4, 3), (128, 128, 4, 3)]
-        return [c for c in (_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t)
-                if _fits(c, gemm) and not (gemm == 1 and block_m == 32 and c.block_k == 256)]  # spills (ptxas)
+        cands = [_deepest(block_m, bn, bk, s, gemm, f) for bn, bk, s, f in _DECODE[gemm]]
+        return [c for c in cands
+                if c is not None and not (gemm == 1 and block_m == 32 and c.block_k == 256)]  # spills (ptxas)
     if block_m == 64:
         t = ([(64, 64, 4, 4, 0), (64, 128, 4, 3, 0), (128, 64, 8, 3, 0), (64, 64, 4, 5, 0), (64, 64, 4, 4, 1),
               (128, 64, 8, 3, 1)]
@@ -69,10 +90,9 @@ def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
 
 
 def fused_candidates(block_m: int) -> list[KernelConfig]:
-    """Extra down-GEMM configs for the fused top-k kernel of direct plans: it has k times fewer programs than
-    the slot-parallel kernel, so each needs a deeper pipeline to keep enough bytes in flight."""
-    t = [(16, 256, 4, 6), (32, 256, 4, 5), (16, 128, 4, 8), (64, 128, 4, 6)]
-    return [c for c in (_k(block_m, bn, bk, w, s, 1) for bn, bk, w, s in t) if _fits(c, 2)]
+    """Down-GEMM configs for the fused top-k kernel of direct plans: it has k times fewer programs than the
+    slot-parallel kernel, so each needs a deep pipeline to keep enough bytes in flight."""
+    return [c for c in (_deepest(block_m, bn, bk, s, 2, f) for bn, bk, s, f in _DECODE_FUSED) if c is not None]
 
 
 def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
@@ -151,7 +171,7 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                                   check=lambda cf: err(run2(cf)))
                 fused = False
                 if plan.direct:  # the top-k sum inside the down GEMM: k times fewer, longer programs
-                    g2f = pick_fastest(candidates(bm, 2) + fused_candidates(bm), lambda cf: run2(cf, True), timer,
+                    g2f = pick_fastest(fused_candidates(bm), lambda cf: run2(cf, True), timer,
                                        log=log, what="gemm2 fused", check=lambda cf: err(run2(cf, True)))
                     if g2f is not None and (g2 is None or g2f[0] < g2[0]):
                         g2, fused = g2f, True
