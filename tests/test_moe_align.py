@@ -147,3 +147,15 @@ def test_plan_invariants_gpu(T, k, E, block_m):
     gen = torch.Generator().manual_seed(T)
     ids = torch.randint(-1, E, (T, k), generator=gen, dtype=torch.int32).cuda()
     check_plan(ids, E, block_m)
+
+
+@pytest.mark.parametrize("programs", [2, 16])
+def test_scatter_programs_take_several_sub_blocks(programs, device, monkeypatch):
+    """Large batches give each scatter program several consecutive sub-blocks (SUBS > 1); forced here on a
+    small batch by capping the scatter's programs: 6 chunks of 16 sub-blocks, each program taking 16 or 8."""
+    from hopperkern.moe import align
+
+    monkeypatch.setattr(align, "_SCATTER_PROGRAMS", programs)
+    gen = torch.Generator().manual_seed(programs)
+    ids = torch.randint(-1, 600, (2000, 3), generator=gen, dtype=torch.int32).to(device)
+    check_plan(ids, 600, 16)

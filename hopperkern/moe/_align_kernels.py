@@ -53,25 +53,28 @@ def _write_header(starts, ends, tot, offsets_ptr, counts_ptr, num_blocks_ptr, E,
 
 @triton.jit
 def _scatter_sub(ids_ptr, bins, chunk, sub, num_slots, base, sorted_ptr, E, CHUNK: tl.constexpr,
-                 SUB: tl.constexpr, E_P: tl.constexpr):
-    """Write the slot ids of sub-block ``sub`` (SUB slots) of ``chunk`` to their sorted rows.
+                 SUB: tl.constexpr, E_P: tl.constexpr, SUBS: tl.constexpr = 1):
+    """Write the slot ids of sub-blocks ``sub .. sub + SUBS - 1`` (SUB slots each) of ``chunk`` to their sorted
+    rows.
 
     ``bins`` [CHUNK] = the chunk's bins (:func:`_slot_bins`); ``base`` [E_P] = first sorted row of the chunk's
-    expert-e slots. The sub-block's own base adds a histogram of the chunk's slots before it; a slot's rank
-    among the sub-block's earlier slots of its expert comes from a [SUB, SUB] comparison, and a one-hot
-    [SUB, E_P] row-sum gathers the base (no data-dependent register index, no scan: tl.cumsum runs a Python
-    combine per step in the interpreter)."""
+    expert-e slots. The first sub-block's own base adds a histogram of the chunk's slots before it; each
+    further one adds the previous sub-block's counts. A slot's rank among its sub-block's earlier slots of its
+    expert comes from a [SUB, SUB] comparison, and a one-hot [SUB, E_P] row-sum gathers the base (no
+    data-dependent register index, no scan: tl.cumsum runs a Python combine per step in the interpreter)."""
     ex = tl.arange(0, E_P)
     i = tl.arange(0, SUB)
     earlier = tl.where(tl.arange(0, CHUNK) < sub * SUB, bins, E)  # bin E (dropped) is not counted below
     nxt = base + tl.where(ex < E, tl.histogram(earlier, E_P), 0)
-    offs = chunk * CHUNK + sub * SUB + i
-    e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-    e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)  # check before narrowing int64 ids
-    hot = (e[:, None] == ex[None, :]).to(tl.int32)
-    rank = tl.sum(((e[None, :] == e[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-    dest = tl.sum(hot * nxt[None, :], axis=1) + rank
-    tl.store(sorted_ptr + dest, offs, mask=e < E)
+    for s in range(0, SUBS):
+        offs = chunk * CHUNK + (sub + s) * SUB + i
+        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)  # check before narrowing int64 ids
+        hot = (e[:, None] == ex[None, :]).to(tl.int32)
+        rank = tl.sum(((e[None, :] == e[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+        dest = tl.sum(hot * nxt[None, :], axis=1) + rank
+        tl.store(sorted_ptr + dest, offs, mask=e < E)
+        nxt += tl.sum(hot, axis=0)
 
 
 @triton.jit
@@ -169,17 +172,19 @@ def _align_scatter_kernel(
     base_ptr,         # [num_chunks, E_P] int32
     sorted_ptr,       # [max_blocks * BLOCK_M] int32 out
     num_slots, E,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr, SUBS: tl.constexpr,
 ):
-    """Grid (num_chunks * CHUNK // SUB,); one program writes the sorted rows of one sub-block of SUB slots."""
+    """Grid (num_chunks * CHUNK // (SUB * SUBS),); one program writes the sorted rows of SUBS consecutive
+    sub-blocks of SUB slots."""
+    per_chunk: tl.constexpr = CHUNK // (SUB * SUBS)
     p = tl.program_id(0)
-    c = p // (CHUNK // SUB)
-    sub = p % (CHUNK // SUB)
+    c = p // per_chunk
+    sub = (p % per_chunk) * SUBS
     if c * CHUNK + sub * SUB < num_slots:  # the last chunk's tail sub-blocks hold no slot
         ex = tl.arange(0, E_P)
         base = tl.load(base_ptr + c * E_P + ex, mask=ex < E, other=0)
         bins = _slot_bins(ids_ptr, c, num_slots, E, CHUNK)
-        _scatter_sub(ids_ptr, bins, c, sub, num_slots, base, sorted_ptr, E, CHUNK, SUB, E_P)
+        _scatter_sub(ids_ptr, bins, c, sub, num_slots, base, sorted_ptr, E, CHUNK, SUB, E_P, SUBS)
 
 
 @triton.jit(do_not_specialize=["max_blocks", "num_slots", "E"])

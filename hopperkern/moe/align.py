@@ -49,6 +49,7 @@ _CHUNK = 1024            # slots per program of the multi-program path
 _BLOCK_B = 16            # row blocks per program when filling block_expert and padding
 _TILE_ELEMS = 4096       # size of the one-hot [SUB, E_P] tile of the scatter (registers per program)
 _SUB_MAX = 64            # slots per scatter step (a [SUB, SUB] rank tile)
+_SCATTER_PROGRAMS = 1024 # the multi-chunk scatter's programs: beyond that, each takes several sub-blocks
 
 
 def _scatter_step(e_p: int) -> int:
@@ -200,13 +201,17 @@ def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int
                      num_slots, E, max_blocks,
                      BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_P=e_p, BLOCK_B=block_b, num_warps=4)]
     num_chunks = cdiv(num_slots, _CHUNK)
+    # Sub-blocks per scatter program: one while there are few, so no program walks a chunk serially; more
+    # (consecutive ones, powers of two) once there are enough programs to fill the GPU, since each program
+    # also histograms its chunk.
+    subs = min(_CHUNK // sub, next_power_of_2(cdiv(num_chunks * (_CHUNK // sub), _SCATTER_PROGRAMS)))
     return [
         step(_align_count_kernel, (num_chunks,), ("ids", "chunk_counts"), num_slots, E, CHUNK=_CHUNK, E_P=e_p,
              num_warps=4),
         step(_align_scan_kernel, (1,), ("chunk_counts", "base", "expert_offsets", "expert_counts", "num_blocks"),
              num_chunks, E, BLOCK_M=block_m, E_P=e_p, BLOCK_C=max(1, _TILE_ELEMS // e_p), num_warps=8),
-        step(_align_scatter_kernel, (num_chunks * (_CHUNK // sub),), ("ids", "base", "sorted_slots"), num_slots, E, CHUNK=_CHUNK,
-             SUB=sub, E_P=e_p, num_warps=4),
+        step(_align_scatter_kernel, (num_chunks * (_CHUNK // (sub * subs)),), ("ids", "base", "sorted_slots"),
+             num_slots, E, CHUNK=_CHUNK, SUB=sub, E_P=e_p, SUBS=subs, num_warps=4),
         step(_align_blocks_kernel, (cdiv(max_blocks, block_b),),
              ("expert_offsets", "expert_counts", "block_expert", "sorted_slots"), max_blocks, num_slots, E,
              BLOCK_M=block_m, BLOCK_B=block_b, E_P=e_p, num_warps=4),
