@@ -163,6 +163,22 @@ def test_noncontiguous_inputs_by_strides(device):
     assert any("last stride" in r for r in d.reasons["w13"])
 
 
+@pytest.mark.parametrize("T", [1, 12], ids=["direct plan", "sorted plan"])
+def test_auto_reads_direct_plans_with_pointer_loads(T, device):
+    """tma='auto' gives a direct plan (tiny batch) pointer loads, with the reason; a sorted plan keeps TMA;
+    'always' still takes TMA for a direct plan."""
+    args = make_inputs(T, 8, 64, 32, 2, torch.float16, device, seed=13)
+    assert moe.prefer_direct(T, 2, 8) == (T == 1)
+    for mode in ("auto", "always"):
+        out = moe.fused_moe(*args, tma=mode)
+        check_against_reference(out, args)
+        pointer = mode == "auto" and T == 1
+        for op, name in (("moe.gemm1", "w13"), ("moe.gemm2", "w2")):
+            d = tma.last_decision(op)
+            assert d.use[name] is not pointer
+            assert any("direct plan" in r for r in d.reasons[name]) is pointer
+
+
 def test_explicit_config_and_fp16_weights_dtype(device):
     args = make_inputs(30, 4, 64, 64, 2, torch.float16, device, seed=9)
     cfg = MoeConfig(gemm1=KernelConfig(block_m=32, block_n=16, block_k=64, group_m=2, num_warps=4, num_stages=1),

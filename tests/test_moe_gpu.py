@@ -60,9 +60,14 @@ def test_bf16_real_shapes(shape, T):
     base = reference.fused_moe(x, w13, w2, weights, ids, compute_dtype=torch.bfloat16)
     err, err_torch = _rel_err(out, ref), _rel_err(base, ref)
     assert err <= 2 * err_torch + 2e-3, f"kernel {err:.3g} vs torch bf16 {err_torch:.3g}"
-    assert tma.last_decision("moe.gemm1").use["w13"] and tma.last_decision("moe.gemm2").use["w2"]
+    direct = moe.prefer_direct(T, k, E)  # 'auto' reads a direct plan's operands with pointer loads
+    assert tma.last_decision("moe.gemm1").use["w13"] != direct and tma.last_decision("moe.gemm2").use["w2"] != direct
     never = moe.fused_moe(x, w13, w2, weights, ids, tma="never", deterministic=False)
     assert _rel_err(never, ref) <= 2 * err_torch + 2e-3
+    if direct:
+        always = moe.fused_moe(x, w13, w2, weights, ids, tma="always")
+        assert tma.last_decision("moe.gemm1").use["w13"] and tma.last_decision("moe.gemm2").use["w2"]
+        assert _rel_err(always, ref) <= 2 * err_torch + 2e-3
 
 
 def _capture(step):

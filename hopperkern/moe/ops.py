@@ -23,7 +23,7 @@ from ..tuning import KernelConfig, MoeConfig, device_config
 from .align import AlignPlan, align_steps, direct_plan, empty_plan, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
 from .configs import moe_launch_config
-from .gemm import down_direct_step, gate_up_step, slot_buffer_shape, slot_steps
+from .gemm import direct_pointer_reason, down_direct_step, gate_up_step, slot_buffer_shape, slot_steps
 
 __all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "ForwardPlan", "check_expert_ids", "config_from_list",
            "config_to_list", "moe_backward_op", "moe_forward_impl", "moe_forward_op", "moe_forward_run"]
@@ -180,9 +180,10 @@ class ForwardPlan(Plan):
                               **({} if save != SAVE_PRE else dict(
                                   pre_gate=(env["pre_gate"], (bm, cfg.gemm1.block_n)),
                                   pre_up=(env["pre_up"], (bm, cfg.gemm1.block_n))))), op="moe.gemm1",
-                    record=False)
+                    record=False, auto_pointer=direct_pointer_reason(sample))
         d2 = decide(tma, dict(inter=(env["inter"], (bm, cfg.gemm2.block_k)),
-                              w2=(w2, (1, cfg.gemm2.block_n, cfg.gemm2.block_k))), op="moe.gemm2", record=False)
+                              w2=(w2, (1, cfg.gemm2.block_n, cfg.gemm2.block_k))), op="moe.gemm2", record=False,
+                    auto_pointer=direct_pointer_reason(sample))
         self.decisions = (d1, d2)
         steps = [] if self.direct else align_steps(env, T * k, E, bm, sample.max_blocks)
         steps.append(gate_up_step(env, sample, cfg.gemm1, activation, d1, save == SAVE_PRE))

@@ -131,17 +131,20 @@ _COUNT: dict[str, int] = {}  # op -> launches recorded (fresh decisions and cach
 
 
 def decide(mode: str, operands: Mapping[str, tuple[object, Sequence[int]]], *, op: str,
-           record: bool = True) -> TmaDecision:
+           record: bool = True, auto_pointer: str | None = None) -> TmaDecision:
     """Decide TMA per operand for one launch of ``op``.
 
     ``operands`` maps a name to ``(tensor, block_shape)``. ``"never"``: all pointer loads. ``"auto"``: TMA
-    for each eligible operand. ``"always"``: TMA for all, or :class:`UnsupportedError` listing the reasons.
+    for each eligible operand, unless the launcher passes ``auto_pointer`` (a sentence saying why pointer
+    loads are faster for this launch): then pointer loads for all, with that reason. ``"always"``: TMA for
+    all, or :class:`UnsupportedError` listing the reasons.
     ``record=False`` (a launch plan's build, which records its decision when it launches): not reported by
     :func:`last_decision` / :func:`decision_count` here.
     """
     m = resolve_mode(mode)
-    if m == "never":
-        d = TmaDecision(op, m, {k: False for k in operands}, {k: ("tma='never'",) for k in operands})
+    if m == "never" or (m == "auto" and auto_pointer):
+        why = "tma='never'" if m == "never" else auto_pointer
+        d = TmaDecision(op, m, {k: False for k in operands}, {k: (why,) for k in operands})
     else:
         why = {k: tuple(tma_not_supported_reasons(t, b)) for k, (t, b) in operands.items()}
         if m == "always" and any(why.values()):

@@ -64,7 +64,7 @@ _DECODE_FUSED = [(128, 256, 3, False), (64, 256, 5, True), (32, 256, 8, True)]
 
 
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
-    """5-6 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
+    """5-7 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
 
     Decode sizes (block_m <= 32): :data:`_DECODE`, each with as many stages as fit. Prefill sizes
     (block_m >= 64) include flattened tile loops (the persistent kernels prefetch the next tile's K loads
@@ -79,13 +79,13 @@ def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
               (128, 64, 8, 3, 1)]
              if gemm == 1 else
              [(64, 64, 4, 4, 0), (128, 64, 4, 4, 0), (128, 64, 8, 3, 0), (256, 64, 8, 3, 0), (128, 64, 4, 4, 1),
-              (128, 64, 8, 3, 1)])
+              (128, 64, 8, 3, 1), (256, 64, 8, 3, 1)])
         return [_k(64, bn, bk, w, s, 8, bool(f)) for bn, bk, w, s, f in t]
     t = ([(64, 64, 4, 4, 0), (128, 64, 8, 3, 0), (128, 64, 8, 4, 0), (64, 64, 4, 4, 1), (128, 64, 8, 3, 1),
           (128, 64, 8, 4, 1)]
          if gemm == 1 else
          [(128, 64, 8, 3, 0), (128, 64, 8, 4, 0), (256, 64, 8, 3, 0), (256, 32, 8, 4, 0), (128, 64, 8, 3, 1),
-          (128, 64, 8, 4, 1)])
+          (128, 64, 8, 4, 1), (128, 128, 8, 3, 1)])
     return [_k(128, bn, bk, w, s, 8, bool(f)) for bn, bk, w, s, f in t]
 
 
