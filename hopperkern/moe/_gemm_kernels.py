@@ -272,7 +272,7 @@ def _topk_sum_kernel(
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(0, TOP_K):
+    for j in tl.static_range(TOP_K):  # unrolled: the k loads issue together, the adds stay in order
         s = t.to(tl.int64) * TOP_K + j
         e = tl.load(ids_ptr + s)
         # Masks compare cols against per-slot column limits. (Not `(cols < H) & ok`: triton >= 3.9's interpreter
