@@ -141,6 +141,35 @@ def test_moe_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
     assert all(e.gemm2.block_n == 16 or e.fused_topk for e in entries.values())
 
 
+def test_moe_tuner_skips_down_configs_whose_atomic_variant_fails(monkeypatch):
+    """fused_moe(deterministic=False) runs a sorted plan's down config with the atomic epilogue, which needs
+    other resources: a candidate whose atomic variant cannot launch (simulated: shared memory) never wins, even
+    when its deterministic variant is right and fastest."""
+    import torch
+
+    import hopperkern.moe as moe_pkg
+    from hopperkern.tune import moe_tuner
+
+    def tiny(block_m, gemm):
+        return [KernelConfig(block_m=block_m, block_n=bn, block_k=32, group_m=1, num_warps=4, num_stages=1)
+                for bn in (32, 16)]
+
+    real_down = moe_pkg.down
+
+    def down(*args, config=None, deterministic=True, **kw):
+        if config.block_n == 32 and not deterministic:
+            raise RuntimeError("out of resource: shared memory (atomic epilogue)")
+        return real_down(*args, config=config, deterministic=deterministic, **kw)
+
+    monkeypatch.setattr(moe_tuner, "candidates", tiny)
+    monkeypatch.setattr(moe_pkg, "down", down)
+    logs = []
+    found = moe_tuner.tune_moe([(4, 64, 32, 2)], (8,), torch.float32, log=logs.append, device="cpu",
+                              time_fn=_no_time)
+    assert found["E4_H64_I32_float32"]["8"].gemm2.block_n == 16, logs
+    assert any("gemm2 {" in m and "'block_n': 32" in m and "skipped: RuntimeError" in m for m in logs), logs
+
+
 def test_merge_into_file_keeps_other_entries(tmp_path, monkeypatch):
     """The one writer of tuning files: new buckets merge into the existing file, every other entry and section
     is kept, the device and Triton version are stamped, and the file is written in canonical order and loads

@@ -5,7 +5,8 @@ neighbours where the mean slots per expert sit near a block boundary; GEMM1 (gat
 its top-k reduction as fused_moe runs it) are then timed separately over a few candidates each, and the pair
 with the lowest summed time wins. Candidates that fail (shared memory, compile) are skipped, and so is every
 candidate whose result is off by more than 2 % from an fp32 reference of the whole MoE on 32 tokens spread
-over the batch (a gate/up candidate goes through a fixed down config): a miscompiled config cannot win.
+over the batch (a gate/up candidate goes through a fixed down config; a down candidate of a sorted plan is
+checked with both top-k reductions, as fused_moe may run either): a miscompiled config cannot win.
 
 Buckets up to ``GRAPH_MAX_T`` tokens are timed as CUDA-graph replays of 10 launches, each after an L2 flush
 (:func:`hopperkern.tune.timing.graph_ms`): their kernels run for 10-500 us, where an eager loop would time the
@@ -169,8 +170,14 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                 def run2(cf, fused=False):
                     return moe.down(inter, w2, weights, ids, plan, config=cf, fused_topk=fused)
 
-                g2 = pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2",
-                                  check=lambda cf: err(run2(cf)))
+                def check2(cf):
+                    # A sorted plan's down config also serves deterministic=False (fp32 atomic top-k sum), whose
+                    # epilogue needs other resources: it must compile and compute right too.
+                    atomic = 0.0 if plan.direct else err(moe.down(inter, w2, weights, ids, plan, config=cf,
+                                                                  deterministic=False))
+                    return max(err(run2(cf)), atomic)
+
+                g2 = pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2", check=check2)
                 fused = False
                 if plan.direct:  # the top-k sum inside the down GEMM: k times fewer, longer programs
                     g2f = pick_fastest(fused_candidates(bm), lambda cf: run2(cf, True), timer,
