@@ -2,11 +2,12 @@
 print registers, spills, shared memory and the estimated resident programs per SM against the real ones.
 
 For every config of the heuristics and of the tuner's candidate list on the PERF.md shapes, both TMA flags,
-flatten on and off, sorted and direct plans; and the training path (forward saving pre-activations, the
+flatten on and off, sorted and direct plans, the down GEMM with both top-k reductions (``--shipped``: the
+shipped tuning file's configs only); and the training path (forward saving pre-activations, the
 backward's dY, d_hidden and weight-gradient GEMMs) on the training shapes. Catches what the interpreter cannot: lowering and pipeliner
 failures, shared memory over 227 KiB, register spills, and a programs-per-SM estimate above what fits.
 
-    env -u TRITON_INTERPRET python -m benchmarks.compile_moe_sm90 [--quick] [--jobs 16]
+    env -u TRITON_INTERPRET python -m benchmarks.compile_moe_sm90 [--quick | --shipped] [--jobs 16]
 """
 
 from __future__ import annotations
@@ -69,11 +70,14 @@ def compile_one(job):
 
     from hopperkern.moe import _backward_kernels as B
     from hopperkern.moe import _gemm_kernels as K
-    from hopperkern.moe.configs import programs_per_sm
+    from hopperkern.moe.configs import atomic_config, programs_per_sm
     from hopperkern.tuning import KernelConfig
 
     gemm, E, H, I, cfg_d, w_tma, y_tma, flatten, direct = job  # noqa: E741
     cfg = KernelConfig(**{**cfg_d, "flatten": flatten})
+    atomic = direct in ("atomic", "atomic_direct")  # deterministic=False: fp32 atomic top-k sum epilogue
+    if atomic:
+        cfg = atomic_config(cfg, 2)  # as the launcher derives it
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   W_TMA=w_tma, Y_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
     if gemm == 1:
@@ -119,7 +123,10 @@ def compile_one(job):
                     block_expert_ptr="i32", num_blocks_ptr="i32", E=E, H=H, I=K_dim, num_rows=4096, num_slots=4096,
                     top_k=8, max_blocks=64, stride_ym=K_dim, stride_we=H * K_dim, stride_wh=1 if b_kn else K_dim,
                     stride_wi=H if b_kn else 1, stride_twt=8, stride_twk=1, stride_om=H, stride_on=1)
-        const = dict(common, ATOMIC=False, DIRECT=bool(direct) and not b_kn, B_KN=b_kn, SCALE=not b_kn)
+        plan_direct = direct == "atomic_direct" or (bool(direct) and not b_kn and not atomic)
+        if atomic:
+            vals["out_ptr"] = "fp32"  # the atomic top-k sum adds into an fp32 [T, H] buffer
+        const = dict(common, ATOMIC=atomic, DIRECT=plan_direct, B_KN=b_kn, SCALE=not b_kn)
     sig, const, attrs = _signature(fn, vals, const)
     row = dict(gemm=gemm, E=E, H=H, I=I, cfg=cfg, w_tma=w_tma, y_tma=y_tma, direct=direct)
     try:
@@ -131,7 +138,7 @@ def compile_one(job):
         regs_alloc = -(-regs * 32 // 256) * 256 * cfg.num_warps  # registers are allocated per warp, 256 at a time
         fits = min((228 * 1024) // (shared + 1024), 65536 // regs_alloc, 2048 // threads, 32)
         row.update(ok=True, regs=regs, spills=spills, shared=shared, fits=fits,
-                   est=programs_per_sm(cfg, 2, 2 if gemm == 1 else 1) if gemm in (1, 2) else 0)
+                   est=programs_per_sm(cfg, 2, 2 if gemm == 1 else 1, 4 if atomic else None) if gemm in (1, 2) else 0)
     except Exception as exc:  # noqa: BLE001 - report every failure, keep going
         row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     return row
@@ -167,7 +174,35 @@ def jobs(quick: bool):
                         out.append((gemm, E, H, I, d, tma, tma, flatten, True))
                         if gemm == 2:
                             out.append((gemm, E, H, I, d, tma, tma, flatten, "fused"))
+                    if gemm == 2:  # deterministic=False runs the same config with the atomic epilogue
+                        out.append((gemm, E, H, I, d, tma, tma, flatten, "atomic"))
     return out
+
+
+def shipped_jobs():
+    """Every config of the shipped tuning file (configs/NVIDIA_H200.json) as fused_moe runs it, both memory paths:
+    the gate/up GEMM (direct plan where the bucket takes one), the down GEMM with both top-k reductions (fixed
+    order and fp32 atomics), and the fused top-k down GEMM where the entry asks for it."""
+    from pathlib import Path
+
+    from hopperkern.moe.align import prefer_direct
+    from hopperkern.tune.shapes import MOE_SHAPES as SHAPES
+    from hopperkern.tuning import load_config, moe_key
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "NVIDIA_H200.json")
+    out = []
+    for E, k, H, I in SHAPES.values():  # noqa: E741
+        for bucket, mc in cfg.moe.get(moe_key(E, H, I, "bfloat16"), {}).items():
+            direct = prefer_direct(int(bucket), k, E)
+            for tma in (False, True):
+                g1, g2 = mc.gemm1.model_dump(), mc.gemm2.model_dump()
+                out.append((1, E, H, I, g1, tma, tma, mc.gemm1.flatten, direct))
+                if direct and mc.fused_topk:
+                    out.append((2, E, H, I, g2, tma, tma, mc.gemm2.flatten, "fused"))
+                else:
+                    out.append((2, E, H, I, g2, tma, tma, mc.gemm2.flatten, direct))
+                out.append((2, E, H, I, g2, tma, tma, mc.gemm2.flatten, "atomic_direct" if direct else "atomic"))
+    return list({repr(j): j for j in out}.values())
 
 
 def backward_jobs():
@@ -204,9 +239,11 @@ def main(argv=None) -> int:
         return 2
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="heuristic configs only, their own flatten flag")
+    ap.add_argument("--shipped", action="store_true",
+                    help="only the configs of the shipped tuning file, as fused_moe runs them (both top-k sums)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     args = ap.parse_args(argv)
-    todo = jobs(args.quick)
+    todo = shipped_jobs() if args.shipped else jobs(args.quick)
     bad = 0
     with ProcessPoolExecutor(args.jobs) as pool:
         for r in pool.map(compile_one, todo):

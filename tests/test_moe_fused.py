@@ -216,6 +216,21 @@ def test_programs_per_sm_estimate():
     assert moe_configs.programs_per_sm(small.gemm2, 2, 1) >= 2
 
 
+def test_atomic_config_fits_the_fp32_epilogue():
+    """deterministic=False stages an fp32 epilogue tile: a tuned 128x128x128 down tile with 3 stages (192 KiB of
+    pipeline + 64 KiB of fp32 staging, over the 227 KiB a program may use; ptxas measures 256 KiB) drops to 2
+    stages; a config that already fits is kept; the fp32 staging halves programs per SM where it matters."""
+    tuned = KernelConfig(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3, flatten=True)
+    assert moe_configs.smem_bytes(tuned, 2, 1) <= 227 * 1024 < moe_configs.smem_bytes(tuned, 2, 1, 4)
+    fitted = moe_configs.atomic_config(tuned, 2)
+    assert fitted == tuned.model_copy(update={"num_stages": 2})
+    assert moe_configs.smem_bytes(fitted, 2, 1, 4) <= 227 * 1024
+    small = KernelConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    assert moe_configs.atomic_config(small, 2) == small
+    mid = KernelConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, flatten=True)
+    assert moe_configs.programs_per_sm(mid, 2, 1) == 2 and moe_configs.programs_per_sm(mid, 2, 1, 4) == 1
+
+
 def test_zero_tokens(device):
     x, w13, w2, weights, ids = make_inputs(1, 4, 64, 32, 2, torch.float16, device)
     out = moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])

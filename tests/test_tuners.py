@@ -143,8 +143,8 @@ def test_moe_tuner_loop_checks_candidates_against_its_reference(monkeypatch):
 
 def test_moe_tuner_skips_down_configs_whose_atomic_variant_fails(monkeypatch):
     """fused_moe(deterministic=False) runs a sorted plan's down config with the atomic epilogue, which needs
-    other resources: a candidate whose atomic variant cannot launch (simulated: shared memory) never wins, even
-    when its deterministic variant is right and fastest."""
+    other resources, on direct and sorted plans: a candidate whose atomic variant cannot launch (simulated:
+    shared memory) never wins, even when its deterministic variant is right and fastest."""
     import torch
 
     import hopperkern.moe as moe_pkg
@@ -162,11 +162,14 @@ def test_moe_tuner_skips_down_configs_whose_atomic_variant_fails(monkeypatch):
         return real_down(*args, config=config, deterministic=deterministic, **kw)
 
     monkeypatch.setattr(moe_tuner, "candidates", tiny)
+    monkeypatch.setattr(moe_tuner, "fused_candidates", lambda bm: [])  # the direct bucket takes the slot kernel
     monkeypatch.setattr(moe_pkg, "down", down)
     logs = []
-    found = moe_tuner.tune_moe([(4, 64, 32, 2)], (8,), torch.float32, log=logs.append, device="cpu",
+    found = moe_tuner.tune_moe([(4, 64, 32, 2)], (1, 8), torch.float32, log=logs.append, device="cpu",
                               time_fn=_no_time)
-    assert found["E4_H64_I32_float32"]["8"].gemm2.block_n == 16, logs
+    entries = found["E4_H64_I32_float32"]
+    assert set(entries) == {"1", "8"}, logs  # a direct plan (T=1) and a sorted one
+    assert all(e.gemm2.block_n == 16 and not e.fused_topk for e in entries.values()), logs
     assert any("gemm2 {" in m and "'block_n': 32" in m and "skipped: RuntimeError" in m for m in logs), logs
 
 

@@ -15,7 +15,7 @@ from ..tma import capability, interpreter_active
 from ..tuning import KernelConfig, MoeConfig, load_config, moe_key
 from .align import max_blocks_for
 
-__all__ = ["INTERPRETER_CONFIG", "heuristic_config", "moe_launch_config", "num_programs", "pick_block_m",
+__all__ = ["INTERPRETER_CONFIG", "atomic_config", "heuristic_config", "moe_launch_config", "num_programs", "pick_block_m",
            "programs_per_sm", "smem_bytes"]
 
 INTERPRETER_CONFIG = MoeConfig(
@@ -27,6 +27,7 @@ _WARNED_KEYS: set = set()
 _CHOSEN: dict = {}  # (tuning file object id, shape, dtype, T, top_k, SMs) -> (the file object, (config, origin))
 
 _SMEM_PER_SM = 228 * 1024     # sm_90: 228 KiB per SM (227 KiB per block), 1 KiB of it reserved per resident block
+_SMEM_PER_BLOCK = 227 * 1024
 _REGS_PER_SM = 64 * 1024
 _THREADS_PER_SM = 2048
 _MAX_PROGRAMS_PER_SM = 4      # beyond 4 resident programs the gain in latency hiding is small
@@ -55,14 +56,25 @@ def _narrow_n(N: int, blocks: int, sms: int, widest: int) -> int:
     return bn
 
 
-def smem_bytes(config: KernelConfig, elem_size: int, b_operands: int) -> int:
+def smem_bytes(config: KernelConfig, elem_size: int, b_operands: int, out_elem_size: int | None = None) -> int:
     """Shared memory of one program of a grouped GEMM: ``num_stages`` buffers of the A tile and ``b_operands``
-    weight tiles (2 for gate/up) plus one epilogue tile (the TMA store's staging)."""
+    weight tiles (2 for gate/up) plus one epilogue tile (the store's staging, ``out_elem_size`` bytes per
+    element: 4 for the fp32 atomic top-k sum; default ``elem_size``)."""
     stage = (config.block_m + b_operands * config.block_n) * config.block_k * elem_size
-    return config.num_stages * stage + config.block_m * config.block_n * elem_size
+    return config.num_stages * stage + config.block_m * config.block_n * (out_elem_size or elem_size)
 
 
-def programs_per_sm(config: KernelConfig, elem_size: int, b_operands: int) -> int:
+def atomic_config(config: KernelConfig, elem_size: int) -> KernelConfig:
+    """``config`` for the down GEMM's fp32 atomic top-k sum (``deterministic=False``): its epilogue stages an
+    fp32 tile, twice the bytes of the per-slot store the configs are tuned with, so pipeline stages are dropped
+    while :func:`smem_bytes` stays above the 227 KiB a program may use (a tuned 128 x 128 x 128 tile with 3
+    stages needs 256 KiB there, 192 KiB with 2)."""
+    while config.num_stages > 1 and smem_bytes(config, elem_size, 1, 4) > _SMEM_PER_BLOCK:
+        config = config.model_copy(update={"num_stages": config.num_stages - 1})
+    return config
+
+
+def programs_per_sm(config: KernelConfig, elem_size: int, b_operands: int, out_elem_size: int | None = None) -> int:
     """Programs of one persistent grouped GEMM that stay resident on an SM together, estimated on the high
     side of shared memory and registers so the estimate errs low: a program that does not fit waits for a
     whole resident program (all its tiles) to finish, which doubles the kernel, while one program too few
@@ -73,7 +85,7 @@ def programs_per_sm(config: KernelConfig, elem_size: int, b_operands: int) -> in
     against ptxas for every heuristic and tuner config by ``python -m benchmarks.compile_moe_sm90``."""
     threads = 32 * config.num_warps
     stage = (config.block_m + b_operands * config.block_n) * config.block_k * elem_size
-    smem = smem_bytes(config, elem_size, b_operands) + 1024
+    smem = smem_bytes(config, elem_size, b_operands, out_elem_size) + 1024
     acc_regs = b_operands * config.block_m * config.block_n // threads  # one accumulator per weight operand
     operand_regs = stage // (4 * threads)  # one K step of the operands, as mma_v2 (block_m < 64) holds them
     regs = -(-min(255, acc_regs + operand_regs + 160) // 8) * 8  # allocated 8 per thread at a time
@@ -81,7 +93,8 @@ def programs_per_sm(config: KernelConfig, elem_size: int, b_operands: int) -> in
     return max(1, min(_MAX_PROGRAMS_PER_SM, fit))
 
 
-def num_programs(config: KernelConfig, elem_size: int, b_operands: int, device=None) -> int:
+def num_programs(config: KernelConfig, elem_size: int, b_operands: int, device=None,
+                 out_elem_size: int | None = None) -> int:
     """NUM_PROGRAMS of a persistent grouped GEMM: SMs of ``device`` (the operands' device; None = the current
     one) x resident programs per SM (2 under the interpreter).
 
@@ -90,7 +103,7 @@ def num_programs(config: KernelConfig, elem_size: int, b_operands: int, device=N
     program takes at most one tile."""
     if interpreter_active():
         return _INTERPRETER_PROGRAMS
-    return (capability(device).sm_count or 132) * programs_per_sm(config, elem_size, b_operands)
+    return (capability(device).sm_count or 132) * programs_per_sm(config, elem_size, b_operands, out_elem_size)
 
 
 def heuristic_config(E: int, H: int, I: int, T: int, top_k: int, sm_count: int | None = None) -> MoeConfig:  # noqa: E741

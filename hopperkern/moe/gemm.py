@@ -22,7 +22,7 @@ from ..tuning import KernelConfig
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
 from ..tma.launcher import Launch, run_steps
 from .align import AlignPlan
-from .configs import num_programs
+from .configs import atomic_config, num_programs
 
 __all__ = ["ACTIVATIONS", "down", "gate_up", "slot_gemm_sum", "topk_sum"]
 
@@ -217,7 +217,9 @@ def slot_steps(env: dict, plan: AlignPlan, config: KernelConfig, a_tma: bool, w_
     E = w.shape[0]
     n_out, k_dim = (w.shape[2], w.shape[1]) if w_kn else (w.shape[1], w.shape[2])
     T = buf.shape[0] // plan.top_k if deterministic else buf.shape[0]
-    progs = num_programs(config, a.element_size(), 1, a.device)
+    if not deterministic:  # the fp32 epilogue of the atomic sum needs more shared memory than the tuned store
+        config = atomic_config(config, a.element_size())
+    progs = num_programs(config, a.element_size(), 1, a.device, out_elem_size=None if deterministic else 4)
     # _down_kernel's names: N stride "stride_wh", K stride "stride_wi".
     w_n_stride, w_k_stride = (w.stride(2), w.stride(1)) if w_kn else (w.stride(1), w.stride(2))
     tw_strides = (tw.stride(0), tw.stride(1)) if scale else (0, 0)

@@ -5,7 +5,7 @@ neighbours where the mean slots per expert sit near a block boundary; GEMM1 (gat
 its top-k reduction as fused_moe runs it) are then timed separately over a few candidates each, and the pair
 with the lowest summed time wins. Candidates that fail (shared memory, compile) are skipped, and so is every
 candidate whose result is off by more than 2 % from an fp32 reference of the whole MoE on 32 tokens spread
-over the batch (a gate/up candidate goes through a fixed down config; a down candidate of a sorted plan is
+over the batch (a gate/up candidate goes through a fixed down config; a slot-parallel down candidate is
 checked with both top-k reductions, as fused_moe may run either): a miscompiled config cannot win.
 
 Buckets up to ``GRAPH_MAX_T`` tokens are timed as CUDA-graph replays of 10 launches, each after an L2 flush
@@ -65,7 +65,7 @@ _DECODE_FUSED = [(128, 256, 3, False), (64, 256, 5, True), (32, 256, 8, True)]
 
 
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
-    """5-7 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
+    """2-7 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
 
     Decode sizes (block_m <= 32): :data:`_DECODE`, each with as many stages as fit. Prefill sizes
     (block_m >= 64) include flattened tile loops (the persistent kernels prefetch the next tile's K loads
@@ -171,10 +171,10 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                     return moe.down(inter, w2, weights, ids, plan, config=cf, fused_topk=fused)
 
                 def check2(cf):
-                    # A sorted plan's down config also serves deterministic=False (fp32 atomic top-k sum), whose
-                    # epilogue needs other resources: it must compile and compute right too.
-                    atomic = 0.0 if plan.direct else err(moe.down(inter, w2, weights, ids, plan, config=cf,
-                                                                  deterministic=False))
+                    # The slot-parallel down config also serves deterministic=False (fp32 atomic top-k sum, on
+                    # direct and sorted plans alike), whose epilogue needs other resources: it must compile and
+                    # compute right too.
+                    atomic = err(moe.down(inter, w2, weights, ids, plan, config=cf, deterministic=False))
                     return max(err(run2(cf)), atomic)
 
                 g2 = pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2", check=check2)
