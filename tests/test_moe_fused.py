@@ -394,7 +394,8 @@ def test_launch_configs_use_the_inputs_device(device, monkeypatch):
                         lambda *a, **kw: devices.append(("config", a[6] if len(a) > 6 else kw["device"]))
                         or real_launch(*a[:6]))
     monkeypatch.setattr(gemm_mod, "num_programs",
-                        lambda cfg, es, b, dev=None: devices.append(("programs", dev)) or real_programs(cfg, es, b))
+                        lambda cfg, es, b, dev=None, **kw: devices.append(("programs", dev))
+                        or real_programs(cfg, es, b, **kw))
     args = make_inputs(6, 4, 64, 32, 2, torch.float16, device, seed=14)
     check_against_reference(moe.fused_moe(*args), args)
     dev = args[0].device
