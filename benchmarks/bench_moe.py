@@ -160,7 +160,7 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
             warnings.simplefilter("ignore")
             cfg, origin = moe.moe_launch_config(E, H, I, DTYPE, M, k)
         base = dict(meta, shape=name, E=E, top_k=k, H=H, I=I, M=M, distinct_experts=distinct, bytes=nbytes,
-                    flops=flops, config_source=origin, config=json.dumps(cfg.model_dump(), sort_keys=True),
+                    flops=flops, config_source=Path(origin).name if origin.endswith(".json") else origin, config=json.dumps(cfg.model_dump(), sort_keys=True),
                     **ceil)
         graph = M <= GRAPH_MAX_M
         for pname, fn in provs.items():
