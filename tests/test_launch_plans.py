@@ -335,3 +335,22 @@ def test_auto_checks_poison_on_gpu_without_sync():
     ids[3, 1] = 8
     out = moe.fused_moe(x, w13, w2, weights, ids)
     assert torch.isnan(out[3]).all() and torch.isfinite(out[4:]).all()
+
+
+@gpu
+def test_moe_cached_forward_serves_validated_plans_only():
+    """fused_moe's one-lookup path serves a plan only where a validated call built or met it; arguments whose
+    metadata differs take the full path and get its errors."""
+    x, w13, w2, weights, ids = moe_inputs(T=40, E=8, H=256, I=128, k=2)
+    x, w13, w2 = (t.bfloat16() for t in (x, w13, w2))
+    args = (x, w13, w2, weights, ids, "silu", "auto", "auto", True)
+    moe_ops.moe_forward_run(x, w13, w2, weights, ids, "silu", "auto", False, True, None, moe_ops.SAVE_NONE)
+    assert moe_ops.cached_forward(*args) is None  # built by a caller that did not validate
+    want = moe.fused_moe(x, w13, w2, weights, ids)
+    got = moe_ops.cached_forward(*args)
+    assert got is not None and torch.equal(got, want)
+    assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids), want)
+    with pytest.raises(TypeError, match="w2 must be"):
+        moe.fused_moe(x, w13, w2.half(), weights, ids)
+    with pytest.raises(ValueError, match="topk_ids must have 40 rows"):
+        moe.fused_moe(x, w13, w2, weights[:39], ids[:39])

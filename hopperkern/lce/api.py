@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import options_key, real_tensor, sync_check, tensor_meta, validate_once
+from .._validate import _PLAIN_TENSORS, check_local_memory, options_key, real_tensor, sync_check, tensor_meta
+from .._validate import validate_once
+from ..tma.launcher import PlanCache, alignment_key, env_key
 from . import sft
-from .launch import validate_inputs
-from .ops import LceFunction, lce_forward_impl, lce_forward_op, lce_sft_forward_op
+from .launch import forward_plan_for, logprobs_direct, validate_inputs
+from .ops import LceFunction, _opts, lce_forward_impl, lce_forward_op, lce_sft_forward_op
 
 __all__ = ["linear_cross_entropy", "linear_logprobs_entropy"]
 
@@ -75,7 +77,11 @@ def _flat(hidden: torch.Tensor) -> torch.Tensor:
 def _small_contiguous(labels, bias):
     """Flat contiguous labels [N] and bias [V]: the kernels index them with unit stride. Copies here are
     O(N) and O(V) elements, never the [V, H] weight."""
-    return labels.reshape(-1).contiguous(), (bias.contiguous() if bias is not None else None)
+    return _flat_labels(labels), (bias.contiguous() if bias is not None else None)
+
+
+def _flat_labels(labels):
+    return labels if labels.dim() == 1 and labels.is_contiguous() else labels.reshape(-1).contiguous()
 
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean",
@@ -183,11 +189,62 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     data per call; the backward all-reduces d_hidden (fp32 [N, H], summed) and keeps d_weight local. Not traced
     by torch.compile (runs eagerly). Tested so far on CPUs with gloo under Triton's interpreter only, not with NCCL.
     """
+    key = _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group)
+    if key is not None:
+        out = _nograd_cached(key, hidden, weight, labels)
+        if out is not None:
+            return out
     hidden, weight = _autocast(hidden, weight)
     _validate(process_group, hidden, weight, labels, None, options_key("lpe", ignore_index, temperature, tma),
               ignore_index=ignore_index, temperature=temperature, tma=tma)
     lab, _ = _small_contiguous(labels, None)
     grad = _backward_follows(hidden, weight)
-    _, logprob, entropy, _ = _forward(process_group, grad, _flat(hidden), weight, lab, None, ignore_index, 0.0, 0.0,
-                                      0.0, float(temperature), tma, True, sync_check("check_labels", check_labels, lab))
+    hidden2d = _flat(hidden)
+    _, logprob, entropy, _ = _forward(process_group, grad, hidden2d, weight, lab, None, ignore_index, 0.0, 0.0, 0.0,
+                                      float(temperature), tma, True, sync_check("check_labels", check_labels, lab))
+    if key is not None and hidden2d.shape[0]:
+        # These arguments passed validation: later calls with the same key take the one-lookup path.
+        opts = _opts(ignore_index, 0.0, 0.0, 0.0, float(temperature), tma)
+        _NOGRAD_CALLS.put(key, forward_plan_for(hidden2d, weight, lab, None, opts, need_entropy=True,
+                                                pick_label=False))
+    if labels.dim() == 1:
+        return logprob, entropy
     return logprob.view(labels.shape), entropy.view(labels.shape)
+
+
+# Validated no-grad log-prob calls: their argument metadata -> the forward plan that served them.
+_NOGRAD_CALLS = PlanCache("lce.logprobs_nograd")
+
+
+def _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group):
+    """The key of an eager no-grad ``linear_logprobs_entropy`` call on plain CUDA tensors without autocast, a
+    process group or a synchronous label check: everything its validation and its plan depend on (devices,
+    dtypes, shapes, strides, 16-byte alignment, options with their types, the effective ``HOPPERKERN_TMA`` and
+    ``HOPPERKERN_CONFIG``). None for every other call, which takes the full path."""
+    if (process_group is not None or type(hidden) not in _PLAIN_TENSORS or type(weight) not in _PLAIN_TENSORS
+            or type(labels) not in _PLAIN_TENSORS or not hidden.is_cuda
+            or not (check_labels is False or (check_labels.__class__ is str and check_labels == "auto"))):
+        return None
+    if (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)) \
+            or torch.is_autocast_enabled("cuda") or torch.compiler.is_compiling():
+        return None
+    return (hidden.device, hidden.dtype, hidden.shape, hidden.stride(), weight.device, weight.dtype, weight.shape,
+            weight.stride(), labels.device, labels.dtype, labels.shape, labels.stride(), temperature,
+            type(temperature), ignore_index, type(ignore_index), tma, env_key(),
+            alignment_key(hidden, weight, labels))
+
+
+def _nograd_cached(key, hidden, weight, labels):
+    """(logprob, entropy) of a call whose key a validated call stored, launched directly; None when there is no
+    such call, its plan is stale (tuning file edited), another device is current or a launch cannot go direct."""
+    try:
+        plan = _NOGRAD_CALLS.get(key)
+    except TypeError:  # an unhashable option value: the full path says what is wrong with it
+        return None
+    if plan is None or not plan.fresh() or not plan.launch_here():
+        return None
+    check_local_memory("weight", weight)  # FSDP may have freed its storage since
+    out = logprobs_direct(plan, _flat(hidden), weight, _flat_labels(labels))
+    if out is None or labels.dim() == 1:
+        return out
+    return out[0].view(labels.shape), out[1].view(labels.shape)

@@ -176,7 +176,8 @@ class _ForwardPlan(Plan):
     """What :func:`lce_forward` decides once per problem (see :mod:`hopperkern.tma.launcher`): config, TMA
     decision, vocab splits, and the three launches (label logit when not picked, forward, combine)."""
 
-    __slots__ = ("decision", "stat_rows", "need_t", "need_sumz", "label", "forward", "combine")
+    __slots__ = ("decision", "stat_rows", "stat_at", "stat_bytes", "need_t", "need_sumz", "label", "forward",
+                 "combine")
 
 
 _FORWARD_PLANS = PlanCache("lce.forward")
@@ -220,6 +221,17 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     need_sumz = opts.label_smoothing > 0
     plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if pick_label else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
+    # Byte offsets of m, s, t, sumz, zl, and of a loss and an LSE row, in one allocation of a direct call (see
+    # _forward_direct): each piece starts 128-byte aligned, as the separate tensors the launches were bound with
+    # may have been (a binary specialised for a 16-byte aligned pointer must never get another). t and sumz fall
+    # back on m when not asked for.
+    offsets, at = [], 0
+    for rows in plan.stat_rows + [1, 1]:
+        offsets.append(at)
+        at += _round_up(rows * N * 4, _PIECE_ALIGN)
+    plan.stat_at = (offsets[0], offsets[1], offsets[2] if need_entropy else 0,
+                    offsets[2 + need_entropy] if need_sumz else 0, offsets[-3], offsets[-2], offsets[-1])
+    plan.stat_bytes = at
     f32 = dict(dtype=torch.float32, device=dev)
     one = torch.empty((1, N), **f32)  # stands for every [S, N] / [N] buffer: Launch keeps only dtypes
     has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
@@ -282,7 +294,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 
     The config, TMA decision and launches come from a cached plan (:func:`forward_plan_for`).
     """
-    if not hidden2d.is_cuda or _tma.interpreter_active():
+    if not hidden2d.is_cuda:
         _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # no launch the interpreter gets wrong
     N = hidden2d.shape[0]
     dev = hidden2d.device
@@ -291,21 +303,91 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
         return tuple(torch.zeros(0, **f32) for _ in range(4))
     plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
                             config=config, z_out=z_out)
+    if plan.interpreted:
+        _tma.check_interpreter(hidden2d.dtype, "lce.forward")
     _tma.record_decision(plan.decision)
-    m, s, t, sumz, zl = _stats(plan, N, dev)
     b_arg = bias if bias is not None else weight
+    if not stats_only:
+        stream = plan.direct_stream((plan.label, plan.forward, plan.combine))
+        if stream is not None:
+            out = _forward_direct(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, shared_out)
+            if out is not None:
+                return out
+    m, s, t, sumz, zl = _stats(plan, N, dev)
     if plan.label is not None:
         plan.label(hidden2d, weight, b_arg, labels1d, zl)
     plan.forward(hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl, z_out if z_out is not None else m)
     if stats_only:
         return m, s, t, sumz, zl
     # The combine kernel writes every row of all four outputs (entropy 0 without need_entropy): no fills.
-    if shared_out:
-        out = torch.empty((4, N), dtype=torch.float32, device=dev).unbind(0)
-    else:
-        out = tuple(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
+    out = _outputs(N, dev, shared_out)
     plan.combine(m, s, t, sumz, zl, labels1d, *out)
     return out
+
+
+def _outputs(N: int, dev, shared: bool):
+    """(loss, logprob, entropy, lse), fp32 [N] each: views of one allocation when ``shared``."""
+    if shared:
+        return torch.empty((4, N), dtype=torch.float32, device=dev).unbind(0)
+    return tuple(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
+
+
+def _forward_direct(plan: _ForwardPlan, stream: int, hidden2d, weight, b_arg, labels1d, z_out, shared_out: bool):
+    """:func:`lce_forward` with every launch bound: the statistics as addresses in one allocation, each launch
+    through its C launcher. The outputs, or None when a launch refused its tensors (the caller then runs the
+    whole forward again the usual way: it recomputes every statistic)."""
+    stats = torch.empty(plan.stat_bytes // 4, dtype=torch.float32, device=hidden2d.device)
+    m, s, t, sumz, zl = _stat_addresses(plan, stats.data_ptr())[:5]
+    if not _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, m, s, t, sumz, zl):
+        return None
+    out = _outputs(hidden2d.shape[0], hidden2d.device, shared_out)
+    if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, *out)):
+        return None
+    return out
+
+
+def _stat_addresses(plan: _ForwardPlan, base: int):
+    """(m, s, t, sumz, zl, loss, lse) addresses in a direct call's statistics allocation at ``base``."""
+    return [base + offset for offset in plan.stat_at]
+
+
+def _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, m, s, t, sumz, zl) -> bool:
+    """The label-logit (when not picked) and forward launches of a direct call; False when one refused."""
+    if plan.label is not None and not plan.label.direct(stream, (hidden2d, weight, b_arg, labels1d, zl)):
+        return False
+    return plan.forward.direct(stream, (hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl,
+                                        z_out if z_out is not None else m))
+
+
+def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
+    """``(logprob, entropy)``, fp32 [N] each, of a forward without bias served by ``plan`` with every launch
+    direct; None where that cannot be (a launch not yet bound, another device current, a launch hook installed,
+    a tensor that does not match its binding: the caller then takes :func:`lce_forward`). The loss and LSE rows
+    the kernels also write go to the statistics allocation; the two results are slices of one allocation, each
+    128-byte aligned."""
+    _tma.record_decision(plan.decision)
+    stream = plan.direct_stream((plan.label, plan.forward, plan.combine))
+    if stream is None:
+        return None
+    N = hidden2d.shape[0]
+    dev = hidden2d.device
+    stats = torch.empty(plan.stat_bytes // 4, dtype=torch.float32, device=dev)  # a multiple of _PIECE_ALIGN
+    m, s, t, sumz, zl, loss, lse = _stat_addresses(plan, stats.data_ptr())
+    if not _forward_launches(plan, stream, hidden2d, weight, weight, labels1d, None, m, s, t, sumz, zl):
+        return None
+    pitch = _round_up(N, _PIECE_ALIGN // 4)
+    out = torch.empty(pitch + N, dtype=torch.float32, device=dev)
+    logprob = out.data_ptr()
+    if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, loss, logprob, logprob + 4 * pitch, lse)):
+        return None
+    return out[:N], out[pitch:]
+
+
+def _round_up(n: int, m: int) -> int:
+    return cdiv(n, m) * m
+
+
+_PIECE_ALIGN = 128  # bytes: the alignment of the pieces of a direct call's allocations
 
 
 def _combine_launch(S: int, N: int, S_zl: int, labels1d, V: int, opts: LceOptions, need_entropy: bool,
@@ -402,7 +484,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     ``ignore_index`` meaning "held by another shard" (its token keeps every term but the label column's C), and
     ``fp32_hidden_grad`` returns d_hidden as the fp32 sum itself, to be summed across ranks before one rounding.
     """
-    if not hidden2d.is_cuda or _tma.interpreter_active():
+    if not hidden2d.is_cuda:
         _tma.check_interpreter(hidden2d.dtype, "lce.backward")  # no launch the interpreter gets wrong
     N, H = hidden2d.shape
     V = weight.shape[0]
@@ -429,6 +511,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
                                                                  V_total, None))
     else:
         plan = _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts, flags, V_total, config)
+    if plan.interpreted:
+        _tma.check_interpreter(dt, "lce.backward")
     _tma.record_decision(plan.decision)
     # Every vocab slice of d_weight and d_bias is written once below: no memset of the [V, H] gradient.
     d_w = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None

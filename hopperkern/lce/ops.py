@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from ..tma import launch_context
-from ..tma.launcher import current_device
 from .launch import LceOptions, check_labels, lce_backward, lce_forward
 from .sft import lce_sft_backward, lce_sft_forward, padded_cols
 
@@ -45,10 +44,7 @@ def lce_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optio
     if check:
         check_labels(labels, weight.shape[0], ignore_index)
     opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
-    if hidden.is_cuda and hidden.get_device() == current_device():  # already where it launches: no guard
-        return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
-                           shared_out=shared_out)
-    with launch_context(hidden, "hopperkern.lce"):
+    with launch_context(hidden, "hopperkern.lce"):  # no guard to enter where hidden's GPU is current
         return lce_forward(hidden, weight, labels, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
                            shared_out=shared_out)
 

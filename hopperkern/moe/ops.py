@@ -17,16 +17,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._validate import _PLAIN_TENSORS, check_local_memory, sync_check
 from ..tma import decide, interpreter_active, launch_context, record_decision
-from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, run_steps
+from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, launch_state, run_direct, run_steps
 from ..tuning import KernelConfig, MoeConfig, device_config
 from .align import AlignPlan, align_steps, direct_plan, empty_plan, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
 from .configs import moe_launch_config
 from .gemm import direct_pointer_reason, down_direct_step, gate_up_step, slot_buffer_shape, slot_steps
 
-__all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "ForwardPlan", "check_expert_ids", "config_from_list",
-           "config_to_list", "moe_backward_op", "moe_forward_impl", "moe_forward_op", "moe_forward_run"]
+__all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "ForwardPlan", "cached_forward", "check_expert_ids", "config_from_list",
+           "config_to_list", "moe_backward_op", "moe_forward_impl", "moe_forward_op", "moe_forward_run", "plan_key"]
 
 SAVE_NONE, SAVE_PRE, SAVE_PLAN = 0, 1, 2  # save: nothing / plan + pre-activations / plan only (recompute)
 
@@ -93,22 +94,20 @@ def moe_forward_impl(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tens
 
 def moe_forward_run(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                     activation: str, tma: str, check: bool, deterministic: bool, config: Optional[list[int]],
-                    save: int) -> tuple:
+                    save: int, validated: bool = False) -> tuple:
     """:func:`moe_forward_impl`'s work; with ``save`` = SAVE_NONE only ``out`` is meaningful (the rest None), so an
-    eager inference call (:func:`hopperkern.moe.fused_moe`) allocates nothing it does not return."""
+    eager inference call (:func:`hopperkern.moe.fused_moe`) allocates nothing it does not return. ``validated``:
+    the caller validated these arguments (:func:`cached_forward` may then skip validation for the same key)."""
     T, H = hidden.shape
     E, two_i, _ = w13.shape
     I, k = two_i // 2, topk_ids.shape[1]  # noqa: E741
     if T * k == 0 or H == 0 or I == 0:
         with launch_context(hidden, "moe.fused_moe"):
             return _empty_problem(hidden, w13, topk_ids, config, save)
-    key = (hidden.device, hidden.dtype, hidden.shape, hidden.stride(), w13.shape, w13.stride(), w2.shape, w2.stride(),
-           topk_weights.dtype, topk_weights.shape, topk_weights.stride(), topk_ids.dtype, topk_ids.shape,
-           topk_ids.stride(), activation, tma,
-           deterministic, None if config is None else tuple(config), save, env_key(),
-           alignment_key(hidden, w13, w2, topk_weights, topk_ids))
+    key = plan_key(hidden, w13, w2, topk_weights, topk_ids, activation, tma, deterministic, config, save)
     plan = _FORWARD_PLANS.get(key)
     if plan is not None and plan.fresh() and plan.launch_here():
+        plan.validated = plan.validated or validated
         if check:
             check_expert_ids(topk_ids, E)
         return plan.run(hidden, w13, w2, topk_weights, topk_ids)
@@ -118,7 +117,40 @@ def moe_forward_run(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tenso
         if plan is None or not plan.fresh():
             plan = _FORWARD_PLANS.put(key, ForwardPlan(hidden, w13, w2, topk_weights, topk_ids, activation, tma,
                                                        deterministic, config, save))
+        plan.validated = plan.validated or validated
         return plan.run(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def plan_key(hidden, w13, w2, topk_weights, topk_ids, activation, tma, deterministic, config, save) -> tuple:
+    """A forward plan's cache key: everything the plan depends on (devices, dtypes, shapes, strides, 16-byte
+    alignment, options, the effective ``HOPPERKERN_TMA`` / ``HOPPERKERN_CONFIG``), which is also everything the
+    validation of ``fused_moe``'s arguments depends on (so a validated plan stands for a validated call)."""
+    return (hidden.device, w13.get_device(), w2.get_device(), topk_weights.get_device(), topk_ids.get_device(),
+            hidden.dtype, w13.dtype, w2.dtype, topk_weights.dtype, topk_ids.dtype, hidden.shape, hidden.stride(),
+            w13.shape, w13.stride(), w2.shape, w2.stride(), topk_weights.shape, topk_weights.stride(), topk_ids.shape,
+            topk_ids.stride(), activation, tma, deterministic, None if config is None else tuple(config), save,
+            env_key(), alignment_key(hidden, w13, w2, topk_weights, topk_ids))
+
+
+def cached_forward(hidden, w13, w2, topk_weights, topk_ids, activation, tma, check_ids, deterministic):
+    """An eager inference call of ``fused_moe`` (no config given) served by a plan whose key an earlier, validated
+    call built: ``out``, or None when there is no such plan here (the caller then validates and takes the full
+    path). The weights' storage is checked on every call all the same (:func:`check_local_memory`)."""
+    if (type(hidden) not in _PLAIN_TENSORS or type(w13) not in _PLAIN_TENSORS or type(w2) not in _PLAIN_TENSORS
+            or type(topk_weights) not in _PLAIN_TENSORS or type(topk_ids) not in _PLAIN_TENSORS or hidden.is_meta):
+        return None
+    try:
+        key = plan_key(hidden, w13, w2, topk_weights, topk_ids, activation, tma, deterministic, None, SAVE_NONE)
+        plan = _FORWARD_PLANS.get(key)
+    except (RuntimeError, TypeError):  # a layout without strides, an unhashable option: the full path says why
+        return None
+    if plan is None or not plan.validated or not plan.fresh() or not plan.launch_here():
+        return None
+    check_local_memory("w13", w13)
+    check_local_memory("w2", w2)
+    if sync_check("check_ids", check_ids, topk_ids):
+        check_expert_ids(topk_ids, plan.E)
+    return plan.run(hidden, w13, w2, topk_weights, topk_ids)[0]
 
 
 def _empty_problem(hidden, w13, topk_ids, config, save):
@@ -136,6 +168,7 @@ def _empty_problem(hidden, w13, topk_ids, config, save):
 
 _FORWARD_PLANS = PlanCache("moe.forward")
 _ALIGN_ELEMS = 8  # pieces of one allocation start 16-byte aligned (8 elements of 2 bytes or more)
+_SCRATCH_ALIGN = 128  # bytes: pieces of a direct call's scratch allocation
 
 
 class ForwardPlan(Plan):
@@ -144,6 +177,7 @@ class ForwardPlan(Plan):
     call's tensors (:func:`hopperkern.tma.launcher.run_steps`)."""
 
     def __init__(self, hidden, w13, w2, topk_weights, topk_ids, activation, tma, deterministic, config, save):
+        self.validated = False  # set by a call whose arguments fused_moe validated (see cached_forward)
         T, H = hidden.shape
         E, two_i, _ = w13.shape
         I, k = two_i // 2, topk_ids.shape[1]  # noqa: E741
@@ -174,6 +208,8 @@ class ForwardPlan(Plan):
         self.scratch_sizes = [_round_up(self.rows * I, _ALIGN_ELEMS)] + ([_round_up(T * k * H, _ALIGN_ELEMS)]
                                                                           if per_slot else [])
         self.scratch_total = sum(self.scratch_sizes)
+        self.layout, self.layout_bytes = self._layout(hidden.element_size(), per_slot)
+        self.all_bound = False
         env = self._env(hidden, w13, w2, topk_weights, topk_ids)
         d1 = decide(tma, dict(w13=(w13, (1, cfg.gemm1.block_n, cfg.gemm1.block_k)),
                               inter=(env["inter"], (bm, cfg.gemm1.block_n)),
@@ -192,6 +228,46 @@ class ForwardPlan(Plan):
         else:
             steps += slot_steps(env, sample, cfg.gemm2, d2["inter"], d2["w2"], deterministic)
         self.steps = steps
+
+    def _layout(self, elem: int, per_slot: bool):
+        """Where an inference call's scratch lies in one byte allocation when its launches go direct: ``(name,
+        byte offset)`` pairs (128-byte aligned pieces: the alignment of the separate tensors the launches were
+        bound with, and TMA's) and the total size. Empty for plans whose tensors leave the call (autograd)."""
+        if self.save != SAVE_NONE:
+            return (), 0
+        sizes = [(name, _numel(shape) * 4) for name, shape in self.i32.items()]
+        sizes.append(("inter", self.rows * self.I * elem))
+        if per_slot:
+            sizes.append(("buf", _numel(self.buf_shape) * elem))
+        layout, offset = [], 0
+        for name, nbytes in sizes:
+            layout.append((name, offset))
+            offset += _round_up(max(nbytes, 1), _SCRATCH_ALIGN)
+        for alias, name in (("pre_gate", "inter"), ("pre_up", "inter")) + (() if self.direct else
+                                                                           (("slots", "sorted_slots"),)):
+            layout.append((alias, dict(layout)[name]))
+        return tuple(layout), offset
+
+    def _run_direct(self, stream: int, hidden, w13, w2, topk_weights, topk_ids):
+        """An inference call whose launches are all bound: scratch as addresses in one allocation (no tensor views
+        to make), every step through its C launcher. The output, or None when a launch refused its tensors
+        (nothing of this call is then relied on: the caller runs every step again the usual way)."""
+        dev = hidden.device
+        ids = topk_ids if self.ids_flat else topk_ids.reshape(-1)
+        env = dict(hidden=hidden, w13=w13, w2=w2, tw=topk_weights, ids=ids)
+        if self.direct:
+            env["slots"] = env["block_expert"] = env["num_blocks"] = ids
+        scratch = torch.empty(self.layout_bytes, dtype=torch.uint8, device=dev)  # alive until all are enqueued
+        base = scratch.data_ptr()
+        for name, offset in self.layout:
+            env[name] = base + offset
+        if self.fused_topk or self.deterministic:
+            env["out"] = out = torch.empty(self.out_shape, dtype=hidden.dtype, device=dev)
+        else:
+            env["buf"] = env["out"] = out = torch.empty(self.buf_shape, dtype=torch.float32, device=dev)
+        if not run_direct(self.steps, env, stream):
+            return None
+        return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
 
     def _env(self, hidden, w13, w2, topk_weights, topk_ids, *, shaped: bool = True) -> dict:
         """The call's tensors by step name: inputs, and fresh outputs and scratch. ``shaped=False`` (calls after
@@ -235,9 +311,15 @@ class ForwardPlan(Plan):
         return env
 
     def run(self, hidden, w13, w2, topk_weights, topk_ids):
-        env = self._env(hidden, w13, w2, topk_weights, topk_ids, shaped=self.interpreted)
         for d in self.decisions:
             record_decision(d)
+        if self.layout_bytes and not self.interpreted:
+            here = launch_state()
+            if here is not None and here[0] == self.device and (self.all_bound or self._bound()):
+                out = self._run_direct(here[1], hidden, w13, w2, topk_weights, topk_ids)
+                if out is not None:
+                    return out, None, None, None, None, None
+        env = self._env(hidden, w13, w2, topk_weights, topk_ids, shaped=self.interpreted)
         run_steps(self.steps, env)
         out = env["out"]
         if out.dtype != hidden.dtype:
@@ -246,6 +328,12 @@ class ForwardPlan(Plan):
             return out, None, None, None, None, None  # moe_forward_impl fills in (distinct) empty tensors
         pre = env["pre"] if self.save == SAVE_PRE else _empty(hidden, 0, 2 * self.I)
         return out, pre, env["sorted_slots"], env["block_expert"], env["expert_offsets"], env["num_blocks"]
+
+
+    def _bound(self) -> bool:
+        """Whether every launch of this plan is bound to a compiled kernel on this plan's device (then it stays so)."""
+        self.all_bound = all(launch.c_launch is not None and launch.device == self.device for launch, _ in self.steps)
+        return self.all_bound
 
 
 def _round_up(n: int, m: int) -> int:

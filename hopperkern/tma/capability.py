@@ -15,6 +15,7 @@ no GPU, and ``python -m hopperkern.info`` turns that into "could not collect").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -483,23 +484,26 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
     )
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def launch_context(t, op: str):
     """Where ``op`` launches for tensor ``t``: a ``torch.cuda.device`` guard for ``t``'s GPU (Triton launches
     on the current device and stream), a no-op context under the interpreter, and :class:`UnsupportedError`
     when ``t`` is on a device hopperkern cannot run on (e.g. CPU tensors with the interpreter off), or when the
     interpreter cannot run ``op`` right for ``t``'s dtype (:func:`check_interpreter`). Launchers pass the
     tensor whose dtype their kernels compute in."""
-    import contextlib
-
     interpreting = interpreter_active()
     if interpreting:  # the interpreter runs the kernels on the host, for CUDA tensors too
         check_interpreter(t.dtype, op)
     if getattr(t, "is_cuda", False):
         import torch
 
+        if t.get_device() == torch._C._cuda_getDevice():
+            return _NO_GUARD  # already the current device: no guard to enter and leave
         return torch.cuda.device(t.device)
     if interpreting:
-        return contextlib.nullcontext()
+        return _NO_GUARD
     raise UnsupportedError(f"{op} cannot run on {t.device} tensors", [
         f"the inputs are on {t.device}: hopperkern's kernels need a CUDA GPU, or Triton's CPU interpreter "
         "(TRITON_INTERPRET=1 set before triton is imported)",

@@ -10,14 +10,16 @@ file lookup, the per-operand TMA decision, grid and split arithmetic, and Triton
   the tuning file they were built from is unchanged (:meth:`Plan.fresh`, one ``stat``).
   :func:`clear_plans` empties every cache (tests; after adding a tuning file in a running process).
 * :class:`Launch`: one kernel launch with its grid and scalar arguments fixed. Its first call goes through
-  ``kernel[grid](...)`` (compiling if needed) and keeps the compiled kernel; later calls pass new tensors to the
-  compiled kernel's launcher directly, after checking that each tensor still matches what the binary was
+  ``kernel[grid](...)`` (compiling if needed) and keeps the compiled kernel; later calls hand new tensors' addresses
+  to the compiled kernel's C launcher, after checking that each tensor still matches what the binary was
   specialised for (dtype, 16-byte alignment) and that no Triton launch hook is installed (profilers). Anything
   else, the interpreter included, takes Triton's own path, so a plan is never less correct than a plain launch.
+  :func:`run_steps` launches a plan's steps, reading the device, stream and hook state once.
 
-The direct path relies on ``CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
-launch_metadata, enter_hook, exit_hook, *args)``, the call ``JITFunction.run`` makes in triton 3.6 to 3.9;
-:func:`direct_launch_supported` gates it on those versions.
+The direct path relies on the C launcher's call ``launch(grid_x, grid_y, grid_z, stream, function, cooperative,
+pdl, global_scratch, profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` that
+triton 3.6 to 3.9 make from ``CompiledKernel.run``; :func:`direct_launch_supported` gates it on those versions,
+and a launcher of another layout (or one that wants profiling scratch) is never bound.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .capability import _numbers, _triton_version, interpreter_active
 from .descriptors import ensure_allocator
 
 __all__ = ["Launch", "Plan", "PlanCache", "alignment_key", "clear_plans", "current_device", "direct_launch_supported",
-           "env_key", "run_steps"]
+           "env_key", "launch_state", "run_direct", "run_steps"]
 
 _DIRECT_TRITON = ((3, 6), (3, 10))  # [low, high): versions whose launch call this module mirrors
 
@@ -47,13 +49,15 @@ _RUNTIME: tuple = ()
 
 
 def _runtime():
-    """(triton's runtime knobs, the current-stream getter, the current-device getter), looked up once."""
+    """(triton's runtime knobs, the current-stream getter, the current-device getter, triton's allocation module),
+    looked up once."""
     global _RUNTIME
     if not _RUNTIME:
         import torch
         from triton import knobs
+        from triton.runtime import _allocation
 
-        _RUNTIME = (knobs.runtime, torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice)
+        _RUNTIME = (knobs.runtime, torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice, _allocation)
     return _RUNTIME
 
 
@@ -69,7 +73,7 @@ def current_device() -> int:
     """The current CUDA device's index (-1 without CUDA): a plan built for a device launches directly only
     while that device is current."""
     try:
-        return _runtime()[2]()
+        return (_RUNTIME or _runtime())[2]()
     except Exception:
         return -1
 
@@ -84,11 +88,28 @@ def alignment_key(*tensors) -> int:
     return bits
 
 
+def _raw_environ():
+    """``os.environ``'s own store and its two keys as stored there: a read of it costs a dict lookup, where
+    ``os.environ.get`` encodes the key and decodes the value on every call. It is the store ``os.environ`` reads
+    and writes itself, so it sees every change made through ``os.environ``; ``(None, ...)`` where the layout differs."""
+    env = os.environ
+    data, encode = getattr(env, "_data", None), getattr(env, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return None, "HOPPERKERN_TMA", "HOPPERKERN_CONFIG"
+    return data, encode("HOPPERKERN_TMA"), encode("HOPPERKERN_CONFIG")
+
+
+_ENVIRON = _raw_environ()
+
+
 def env_key() -> tuple:
     """The environment every plan depends on: ``HOPPERKERN_TMA`` and ``HOPPERKERN_CONFIG`` as set now (part of
-    each plan key, so a changed value takes effect on the next call)."""
-    env = os.environ
-    return env.get("HOPPERKERN_TMA"), env.get("HOPPERKERN_CONFIG")
+    each plan key, so a changed value takes effect on the next call), as ``os.environ`` stores them."""
+    data, tma, config = _ENVIRON
+    if data is None:
+        env = os.environ
+        return env.get(tma), env.get(config)
+    return data.get(tma), data.get(config)
 
 
 _CACHES: list = []
@@ -157,14 +178,31 @@ class Plan:
         device is the current one."""
         return not self.interpreted and self.device == current_device()
 
+    def direct_stream(self, launches):
+        """The current stream, when every launch of ``launches`` (None entries skipped) is bound on this plan's
+        device, that device is current and no launch hook is installed: the call may then go direct
+        (:meth:`Launch.direct`, :func:`run_direct`) with addresses for its scratch. None otherwise."""
+        if self.interpreted:
+            return None
+        for launch in launches:
+            if launch is not None and (launch.c_launch is None or launch.device != self.device):
+                return None
+        here = launch_state()
+        return here[1] if here is not None and here[0] == self.device else None
+
 
 class Launch:
     """One kernel launch with everything but its tensors fixed: ``Launch(kernel, grid, *args, **kwargs)``
     takes the arguments of ``kernel[grid](*args, **kwargs)``; calling it with the tensors, in the order they
-    appear in ``args`` (new tensors of the same dtypes), launches the kernel on the current stream."""
+    appear in ``args`` (new tensors of the same dtypes, on the device of the first call), launches the kernel on
+    the current stream.
+
+    After the first call the launch goes straight to the compiled kernel's C launcher: tensors travel as their
+    addresses (so the launcher asks neither ``data_ptr`` nor the driver about them; the plans that own launches
+    have checked their devices) and the descriptor scratch comes from Triton's allocator as Triton would take it."""
 
     __slots__ = ("fn", "grid", "template", "options", "tensor_pos", "dtypes", "aligned", "compiled", "device",
-                 "scratch")
+                 "c_launch", "c_head", "c_meta", "scratch")
 
     def __init__(self, fn, grid, *args, **kwargs):
         import torch
@@ -194,28 +232,37 @@ class Launch:
         self.aligned = ()
         self.compiled = None
         self.device = None
-        self.scratch = False
+        self.c_launch = None
 
     def __call__(self, *tensors) -> None:
-        c = self.compiled
-        if c is not None:
-            rt, stream_of, device_of = _RUNTIME or _runtime()
-            dev = device_of()
-            if dev == self.device and _hooks_idle(rt) and self._matches(tensors):
-                args = self.template.copy()
-                for p, t in zip(self.tensor_pos, tensors):
-                    args[p] = t
-                if self.scratch:
-                    ensure_allocator()
-                g = self.grid
-                c.run(g[0], g[1], g[2], stream_of(dev), c.function, c.packed_metadata, None, None, None, *args)
+        if self.c_launch is not None:
+            here = launch_state()
+            if here is not None and here[0] == self.device and self.direct(here[1], tensors):
                 return
         self._slow(tensors)
 
-    def _matches(self, tensors) -> bool:
-        for t, dt, al in zip(tensors, self.dtypes, self.aligned):
-            if t.dtype != dt or (al and t.data_ptr() & 15):
+    def direct(self, stream: int, tensors) -> bool:
+        """Launch on ``stream`` through the bound C launcher; False (nothing launched) when a tensor does not match
+        what the binary was specialised for (dtype, 16-byte alignment). An int in place of a tensor is an address
+        taken as it is: a plan's own scratch, laid out with the alignment the launch was bound with."""
+        args = self.template.copy()
+        for p, t, dt, al in zip(self.tensor_pos, tensors, self.dtypes, self.aligned):
+            if t.__class__ is int:  # an address a plan laid out itself (see run_direct)
+                args[p] = t
+                continue
+            if t.dtype != dt:
                 return False
+            ptr = t.data_ptr()
+            if al and ptr & 15:
+                return False
+            args[p] = ptr
+        buf = ptr = None
+        if self.scratch:
+            size, align = self.scratch
+            buf = _scratch_allocator()(size, align, stream)  # held until the launch is enqueued
+            ptr = buf.data_ptr()
+        g = self.grid
+        self.c_launch(g[0], g[1], g[2], stream, *self.c_head, ptr, None, self.c_meta, None, None, None, *args)
         return True
 
     def _slow(self, tensors) -> None:
@@ -233,15 +280,64 @@ class Launch:
             return
         if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "metadata")):
             return
-        _, _, device_of = _runtime()
+        launcher = kernel.run
+        fields = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "global_scratch_align",
+                  "profile_scratch_size", "num_ctas")
+        if not all(hasattr(launcher, f) for f in fields) or launcher.profile_scratch_size:
+            return  # another launcher layout, or a profiling build: Triton's own path
+        device_of = _runtime()[2]
         # Alignment the binary may assume: a 16-byte aligned tensor may have been specialised as such ("D").
         self.aligned = tuple(args[p].data_ptr() % 16 == 0 for p in self.tensor_pos)
-        self.scratch = bool(getattr(kernel.metadata, "global_scratch_size", 0))
+        g = self.grid
+        size = launcher.global_scratch_size
+        self.scratch = (g[0] * g[1] * g[2] * launcher.num_ctas * size, launcher.global_scratch_align) if size else None
+        self.c_head = (kernel.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
+        self.c_meta = kernel.packed_metadata
         self.device = device_of()
         self.compiled = kernel
+        self.c_launch = launcher.launch
+
+
+def _scratch_allocator():
+    """Triton's allocator for kernel scratch in this context, installing hopperkern's where none is set."""
+    _allocation = (_RUNTIME or _runtime())[3]
+    alloc = _allocation._allocator.get()
+    if isinstance(alloc, _allocation.NullAllocator):
+        ensure_allocator()
+        alloc = _allocation._allocator.get()
+    return alloc
+
+
+def launch_state():
+    """(current device, its current stream) when bound launches may go direct: no Triton launch hook installed
+    (a profiler's enter/exit hooks need Triton's own launch path); None otherwise."""
+    rt, stream_of, device_of, _ = _RUNTIME or _runtime()
+    if not _hooks_idle(rt):
+        return None
+    dev = device_of()
+    return dev, stream_of(dev)
 
 
 def run_steps(steps, env: dict) -> None:
-    """Launch ``steps``, ``(Launch, tensor names)`` pairs, with the tensors of ``env`` (name -> tensor)."""
+    """Launch ``steps``, ``(Launch, tensor names)`` pairs, with the tensors of ``env`` (name -> tensor). The device,
+    stream and hook state are read once for all of them."""
+    here = None
     for launch, names in steps:
-        launch(*[env[n] for n in names])
+        tensors = [env[n] for n in names]
+        if launch.c_launch is not None:
+            if here is None:
+                here = launch_state() or (None, None)
+            if here[0] == launch.device and launch.direct(here[1], tensors):
+                continue
+        launch._slow(tensors)
+
+
+def run_direct(steps, env: dict, stream: int) -> bool:
+    """Launch ``steps`` in order on ``stream``, each through its bound C launcher, with the values of ``env`` (tensors,
+    or addresses a plan laid out in its own scratch). False as soon as one cannot go direct (that one and those after
+    it not launched): the caller then runs all of them again with tensors (:func:`run_steps`), which is right
+    because a plan's steps only read the inputs and what earlier steps of the same call wrote."""
+    for launch, names in steps:
+        if launch.c_launch is None or not launch.direct(stream, [env[n] for n in names]):
+            return False
+    return True
