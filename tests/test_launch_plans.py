@@ -354,3 +354,40 @@ def test_moe_cached_forward_serves_validated_plans_only():
         moe.fused_moe(x, w13, w2.half(), weights, ids)
     with pytest.raises(ValueError, match="topk_ids must have 40 rows"):
         moe.fused_moe(x, w13, w2, weights[:39], ids[:39])
+
+
+@gpu
+@pytest.mark.parametrize("N", [37, 256])
+def test_lce_nograd_direct_path_matches_and_validates(N, monkeypatch):
+    """A no-grad linear_logprobs_entropy call with the metadata of an earlier validated call takes the one-lookup
+    direct path (statistics and outputs at 128-byte aligned addresses, also for N not a multiple of 4); its
+    results equal the full path's and fp64's, for 1-D and 2-D labels. Changed metadata or HOPPERKERN_TMA takes
+    the full path again, with its errors."""
+    import hopperkern.lce.api as lce_api
+
+    h, w, y = lce_inputs(N=N, V=1000, H=256, dtype=torch.bfloat16)
+    want_lp, want_ent = lce_ref.linear_logprobs_entropy(h.double(), w.double(), y)
+    for labels, hidden in ((y, h), (y.view(1, N), h.view(1, N, -1))):
+        with torch.no_grad():
+            first = lce.linear_logprobs_entropy(hidden, w, labels)
+            assert len(lce_api._NOGRAD_CALLS) >= 1
+            key = lce_api._nograd_key(hidden, w, labels, 1.0, -100, "auto", "auto", None)
+            assert lce_api._NOGRAD_CALLS.get(key) is not None
+            fast = lce_api._nograd_cached(key, hidden, w, labels)
+            assert fast is not None and fast[0].shape == labels.shape
+            again = lce.linear_logprobs_entropy(hidden, w, labels)
+        for got in (fast, again):
+            assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
+            assert got[0].data_ptr() % 128 == 0 and got[1].data_ptr() % 128 == 0
+        assert rel(first[0].flatten(), want_lp) < 2e-2 and rel(first[1].flatten(), want_ent) < 2e-2
+    monkeypatch.setenv("HOPPERKERN_TMA", "never")
+    key = lce_api._nograd_key(h, w, y, 1.0, -100, "auto", "auto", None)
+    assert lce_api._NOGRAD_CALLS.get(key) is None  # another environment: a key of its own
+    with torch.no_grad():
+        lp, _ = lce.linear_logprobs_entropy(h, w, y)
+        assert not tma.last_decision("lce.forward").any
+        assert rel(lp, want_lp) < 2e-2
+        with pytest.raises(ValueError, match="labels must have shape"):
+            lce.linear_logprobs_entropy(h, w, y[:-1])
+        with pytest.raises(TypeError, match="weight must be"):
+            lce.linear_logprobs_entropy(h, w.half(), y)
