@@ -391,3 +391,34 @@ def test_lce_nograd_direct_path_matches_and_validates(N, monkeypatch):
             lce.linear_logprobs_entropy(h, w, y[:-1])
         with pytest.raises(TypeError, match="weight must be"):
             lce.linear_logprobs_entropy(h, w.half(), y)
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 40])
+def test_direct_calls_with_descriptor_scratch_match(T):
+    """With tma="always" the kernels build device-side descriptors in global scratch; a direct call takes that
+    scratch from the plan's own allocation. Repeated calls (the first binds, later ones go direct) equal the first
+    and the fp32 reference, for the LCE forward (grad and no grad) and for fused_moe's direct (T=1) and sorted
+    (T=40) plans."""
+    h, w, y = lce_inputs(N=45, V=3000, H=256, dtype=torch.bfloat16)
+    want_lp, _ = lce_ref.linear_logprobs_entropy(h.double(), w.double(), y)
+    with torch.no_grad():
+        outs = [lce.linear_logprobs_entropy(h, w, y, tma="always") for _ in range(3)]
+    grad_outs = [lce.linear_logprobs_entropy(h, w.requires_grad_(), y, tma="always") for _ in range(3)]
+    w.requires_grad_(False)
+    plans = list(lce_launch._FORWARD_PLANS._plans.values())
+    assert any(p.forward.scratch for p in plans), "the test needs a launch with descriptor scratch"
+    for got in outs[1:]:
+        assert torch.equal(got[0], outs[0][0]) and torch.equal(got[1], outs[0][1])
+    for got in grad_outs[1:]:
+        assert torch.equal(got[0], grad_outs[0][0])
+    assert rel(outs[2][0], want_lp) < 2e-2 and rel(grad_outs[2][0], want_lp) < 2e-2
+    x, w13, w2, weights, ids = moe_inputs(T=T, E=8, H=256, I=128, k=2)
+    x, w13, w2 = (t.bfloat16() for t in (x, w13, w2))
+    moe_outs = [moe.fused_moe(x, w13, w2, weights, ids, tma="always") for _ in range(3)]
+    mplan = next(iter(moe_ops._FORWARD_PLANS._plans.values()))
+    assert mplan.all_bound and any(step[0].scratch for step in mplan.steps)
+    want = moe_ref.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    for got in moe_outs[1:]:
+        assert torch.equal(got, moe_outs[0])
+    assert rel(moe_outs[2], want) < 2e-2

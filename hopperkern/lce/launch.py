@@ -33,7 +33,7 @@ from .._validate import (
     check_same_dtype,
     dot_precision,
 )
-from ..tma.launcher import Launch, Plan, PlanCache, alignment_key, env_key
+from ..tma.launcher import Launch, Plan, PlanCache, alignment_key, env_key, scratch_offsets
 from ..tuning import KernelConfig
 from ._kernels import (
     lce_combine_kernel,
@@ -176,8 +176,8 @@ class _ForwardPlan(Plan):
     """What :func:`lce_forward` decides once per problem (see :mod:`hopperkern.tma.launcher`): config, TMA
     decision, vocab splits, and the three launches (label logit when not picked, forward, combine)."""
 
-    __slots__ = ("decision", "stat_rows", "stat_at", "stat_bytes", "need_t", "need_sumz", "label", "forward",
-                 "combine")
+    __slots__ = ("decision", "stat_rows", "stat_at", "stat_bytes", "direct_layout", "need_t", "need_sumz", "label",
+                 "forward", "combine")
 
 
 _FORWARD_PLANS = PlanCache("lce.forward")
@@ -232,6 +232,7 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     plan.stat_at = (offsets[0], offsets[1], offsets[2] if need_entropy else 0,
                     offsets[2 + need_entropy] if need_sumz else 0, offsets[-3], offsets[-2], offsets[-1])
     plan.stat_bytes = at
+    plan.direct_layout = None  # descriptor scratch offsets and total bytes, once every launch is bound
     f32 = dict(dtype=torch.float32, device=dev)
     one = torch.empty((1, N), **f32)  # stands for every [S, N] / [N] buffer: Launch keeps only dtypes
     has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
@@ -333,30 +334,37 @@ def _outputs(N: int, dev, shared: bool):
 
 
 def _forward_direct(plan: _ForwardPlan, stream: int, hidden2d, weight, b_arg, labels1d, z_out, shared_out: bool):
-    """:func:`lce_forward` with every launch bound: the statistics as addresses in one allocation, each launch
-    through its C launcher. The outputs, or None when a launch refused its tensors (the caller then runs the
-    whole forward again the usual way: it recomputes every statistic)."""
-    stats = torch.empty(plan.stat_bytes // 4, dtype=torch.float32, device=hidden2d.device)
-    m, s, t, sumz, zl = _stat_addresses(plan, stats.data_ptr())[:5]
-    if not _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, m, s, t, sumz, zl):
+    """:func:`lce_forward` with every launch bound: the statistics and the launches' descriptor scratch as
+    addresses in one allocation, each launch through its C launcher. The outputs, or None when a launch refused
+    its tensors (the caller then runs the whole forward again the usual way: it recomputes every statistic)."""
+    base, held, scratch = _direct_allocation(plan, hidden2d.device)  # held until every launch is enqueued
+    m, s, t, sumz, zl = (base + offset for offset in plan.stat_at[:5])
+    if not _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, m, s, t, sumz, zl, scratch):
         return None
     out = _outputs(hidden2d.shape[0], hidden2d.device, shared_out)
-    if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, *out)):
+    if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, *out), scratch[2]):
         return None
     return out
 
 
-def _stat_addresses(plan: _ForwardPlan, base: int):
-    """(m, s, t, sumz, zl, loss, lse) addresses in a direct call's statistics allocation at ``base``."""
-    return [base + offset for offset in plan.stat_at]
+def _direct_allocation(plan: _ForwardPlan, dev):
+    """One allocation for a direct call: ``(base address, the tensor, descriptor scratch address per launch)``,
+    the tensor to be held until every launch is enqueued."""
+    layout = plan.direct_layout
+    if layout is None:
+        layout = plan.direct_layout = scratch_offsets((plan.label, plan.forward, plan.combine), plan.stat_bytes)
+    offsets, total = layout
+    buf = torch.empty(total // 4, dtype=torch.float32, device=dev)  # total: a multiple of 128 bytes
+    base = buf.data_ptr()
+    return base, buf, [None if at is None else base + at for at in offsets]
 
 
-def _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, m, s, t, sumz, zl) -> bool:
+def _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, m, s, t, sumz, zl, scratch) -> bool:
     """The label-logit (when not picked) and forward launches of a direct call; False when one refused."""
-    if plan.label is not None and not plan.label.direct(stream, (hidden2d, weight, b_arg, labels1d, zl)):
+    if plan.label is not None and not plan.label.direct(stream, (hidden2d, weight, b_arg, labels1d, zl), scratch[0]):
         return False
     return plan.forward.direct(stream, (hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl,
-                                        z_out if z_out is not None else m))
+                                        z_out if z_out is not None else m), scratch[1])
 
 
 def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
@@ -370,15 +378,15 @@ def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
     if stream is None:
         return None
     N = hidden2d.shape[0]
-    dev = hidden2d.device
-    stats = torch.empty(plan.stat_bytes // 4, dtype=torch.float32, device=dev)  # a multiple of _PIECE_ALIGN
-    m, s, t, sumz, zl, loss, lse = _stat_addresses(plan, stats.data_ptr())
-    if not _forward_launches(plan, stream, hidden2d, weight, weight, labels1d, None, m, s, t, sumz, zl):
+    base, held, scratch = _direct_allocation(plan, hidden2d.device)  # held until every launch is enqueued
+    m, s, t, sumz, zl, loss, lse = (base + offset for offset in plan.stat_at)
+    if not _forward_launches(plan, stream, hidden2d, weight, weight, labels1d, None, m, s, t, sumz, zl, scratch):
         return None
     pitch = _round_up(N, _PIECE_ALIGN // 4)
-    out = torch.empty(pitch + N, dtype=torch.float32, device=dev)
+    out = torch.empty(pitch + N, dtype=torch.float32, device=hidden2d.device)
     logprob = out.data_ptr()
-    if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, loss, logprob, logprob + 4 * pitch, lse)):
+    if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, loss, logprob, logprob + 4 * pitch, lse),
+                               scratch[2]):
         return None
     return out[:N], out[pitch:]
 
@@ -528,12 +536,13 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             # Overwrites the label entries just written (same stream): p (A + B z) + C + D from the forward's
             # fp32 log-prob, rounded once. Without g_loss and g_logprob, C = 0 and the tile's entry is final.
             onehot(labels1d, lse, entropy, *grads, logprob, dbuf)
-        dl = dbuf[:, :ncols]
+        whole = ncols == V  # one slice: the whole tensors, no views to make
+        dl = dbuf if whole and plan.ld == V else dbuf[:, :ncols]
         if need_weight_grad:
             # One GEMM over all N tokens: fp32 accumulation inside cuBLAS, written once in the weight dtype.
-            torch.mm(dl.t(), hidden2d, out=d_w[col_begin:col_begin + ncols])
+            torch.mm(dl.t(), hidden2d, out=d_w if whole else d_w[col_begin:col_begin + ncols])
         if need_hidden_grad:
-            _acc_mm_f32(acc_h, dl, weight[col_begin:col_begin + ncols], beta=int(col_begin > 0),
+            _acc_mm_f32(acc_h, dl, weight if whole else weight[col_begin:col_begin + ncols], beta=int(col_begin > 0),
                         out_dtype_mm=plan.mm_out_dtype)
         if d_b is not None:
             d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)

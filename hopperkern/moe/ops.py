@@ -20,6 +20,7 @@ from torch import Tensor
 from .._validate import _PLAIN_TENSORS, check_local_memory, sync_check
 from ..tma import decide, interpreter_active, launch_context, record_decision
 from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, launch_state, run_direct, run_steps
+from ..tma.launcher import scratch_offsets
 from ..tuning import KernelConfig, MoeConfig, device_config
 from .align import AlignPlan, align_steps, direct_plan, empty_plan, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
@@ -257,7 +258,8 @@ class ForwardPlan(Plan):
         env = dict(hidden=hidden, w13=w13, w2=w2, tw=topk_weights, ids=ids)
         if self.direct:
             env["slots"] = env["block_expert"] = env["num_blocks"] = ids
-        scratch = torch.empty(self.layout_bytes, dtype=torch.uint8, device=dev)  # alive until all are enqueued
+        # One allocation for the plan's buffers and every launch's descriptor scratch, alive until all are enqueued.
+        scratch = torch.empty(self.direct_bytes, dtype=torch.uint8, device=dev)
         base = scratch.data_ptr()
         for name, offset in self.layout:
             env[name] = base + offset
@@ -265,7 +267,7 @@ class ForwardPlan(Plan):
             env["out"] = out = torch.empty(self.out_shape, dtype=hidden.dtype, device=dev)
         else:
             env["buf"] = env["out"] = out = torch.empty(self.buf_shape, dtype=torch.float32, device=dev)
-        if not run_direct(self.steps, env, stream):
+        if not run_direct(self.steps, env, stream, [None if at is None else base + at for at in self.desc_at]):
             return None
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
 
@@ -333,6 +335,8 @@ class ForwardPlan(Plan):
     def _bound(self) -> bool:
         """Whether every launch of this plan is bound to a compiled kernel on this plan's device (then it stays so)."""
         self.all_bound = all(launch.c_launch is not None and launch.device == self.device for launch, _ in self.steps)
+        if self.all_bound:
+            self.desc_at, self.direct_bytes = scratch_offsets([launch for launch, _ in self.steps], self.layout_bytes)
         return self.all_bound
 
 

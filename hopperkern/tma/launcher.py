@@ -32,7 +32,7 @@ from .capability import _numbers, _triton_version, interpreter_active
 from .descriptors import ensure_allocator
 
 __all__ = ["Launch", "Plan", "PlanCache", "alignment_key", "clear_plans", "current_device", "direct_launch_supported",
-           "env_key", "launch_state", "run_direct", "run_steps"]
+           "env_key", "launch_state", "run_direct", "run_steps", "scratch_offsets"]
 
 _DIRECT_TRITON = ((3, 6), (3, 10))  # [low, high): versions whose launch call this module mirrors
 
@@ -233,6 +233,7 @@ class Launch:
         self.compiled = None
         self.device = None
         self.c_launch = None
+        self.scratch = None  # (bytes, alignment) of the descriptor scratch, once bound
 
     def __call__(self, *tensors) -> None:
         if self.c_launch is not None:
@@ -241,10 +242,12 @@ class Launch:
                 return
         self._slow(tensors)
 
-    def direct(self, stream: int, tensors) -> bool:
+    def direct(self, stream: int, tensors, scratch: int | None = None) -> bool:
         """Launch on ``stream`` through the bound C launcher; False (nothing launched) when a tensor does not match
         what the binary was specialised for (dtype, 16-byte alignment). An int in place of a tensor is an address
-        taken as it is: a plan's own scratch, laid out with the alignment the launch was bound with."""
+        taken as it is: a plan's own scratch, laid out with the alignment the launch was bound with. ``scratch``:
+        the address of this launch's descriptor scratch in a plan's allocation (:func:`scratch_offsets`); without
+        it the scratch comes from Triton's allocator, as on Triton's own path."""
         args = self.template.copy()
         for p, t, dt, al in zip(self.tensor_pos, tensors, self.dtypes, self.aligned):
             if t.__class__ is int:  # an address a plan laid out itself (see run_direct)
@@ -256,13 +259,15 @@ class Launch:
             if al and ptr & 15:
                 return False
             args[p] = ptr
-        buf = ptr = None
-        if self.scratch:
+        buf = None
+        if not self.scratch:
+            scratch = None
+        elif scratch is None:
             size, align = self.scratch
             buf = _scratch_allocator()(size, align, stream)  # held until the launch is enqueued
-            ptr = buf.data_ptr()
+            scratch = buf.data_ptr()
         g = self.grid
-        self.c_launch(g[0], g[1], g[2], stream, *self.c_head, ptr, None, self.c_meta, None, None, None, *args)
+        self.c_launch(g[0], g[1], g[2], stream, *self.c_head, scratch, None, self.c_meta, None, None, None, *args)
         return True
 
     def _slow(self, tensors) -> None:
@@ -332,12 +337,39 @@ def run_steps(steps, env: dict) -> None:
         launch._slow(tensors)
 
 
-def run_direct(steps, env: dict, stream: int) -> bool:
+def run_direct(steps, env: dict, stream: int, scratch=None) -> bool:
     """Launch ``steps`` in order on ``stream``, each through its bound C launcher, with the values of ``env`` (tensors,
-    or addresses a plan laid out in its own scratch). False as soon as one cannot go direct (that one and those after
-    it not launched): the caller then runs all of them again with tensors (:func:`run_steps`), which is right
-    because a plan's steps only read the inputs and what earlier steps of the same call wrote."""
-    for launch, names in steps:
-        if launch.c_launch is None or not launch.direct(stream, [env[n] for n in names]):
+    or addresses a plan laid out in its own scratch). ``scratch``: per step, the address of its descriptor scratch
+    (None: Triton's allocator). False as soon as one cannot go direct (that one and those after it not launched):
+    the caller then runs all of them again with tensors (:func:`run_steps`), which is right because a plan's steps
+    only read the inputs and what earlier steps of the same call wrote."""
+    for i, (launch, names) in enumerate(steps):
+        if launch.c_launch is None or not launch.direct(stream, [env[n] for n in names],
+                                                        None if scratch is None else scratch[i]):
             return False
     return True
+
+
+def scratch_offsets(launches, start: int) -> tuple[tuple, int]:
+    """Where the descriptor scratch of each bound launch of ``launches`` lies in one allocation whose first
+    ``start`` bytes a plan uses for itself: byte offsets (None for a None entry or a launch without scratch), each
+    aligned as the launch asks and to at least 128 bytes, and the allocation's size (a multiple of 128). One
+    allocation per call then serves the plan's buffers and every launch's scratch."""
+    offsets, at = [], start
+    for launch in launches:
+        need = None if launch is None else launch.scratch
+        if not need:
+            offsets.append(None)
+            continue
+        size, align = need
+        at = _round_up(at, max(align, _PIECE))
+        offsets.append(at)
+        at += size
+    return tuple(offsets), _round_up(at, _PIECE)
+
+
+_PIECE = 128  # bytes: the least alignment of a piece of a plan's allocation
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
