@@ -422,3 +422,20 @@ def test_direct_calls_with_descriptor_scratch_match(T):
     for got in moe_outs[1:]:
         assert torch.equal(got, moe_outs[0])
     assert rel(moe_outs[2], want) < 2e-2
+
+
+def test_scratch_offsets_lay_out_descriptor_scratch():
+    """One allocation serves a plan's buffers and its launches' descriptor scratch: each piece starts aligned as
+    its launch asks (at least 128 bytes) after the plan's own bytes, launches without scratch get None, and the
+    total is a multiple of 128 bytes."""
+    from types import SimpleNamespace
+
+    from hopperkern.tma.launcher import scratch_offsets
+
+    launches = [SimpleNamespace(scratch=(1000, 128)), None, SimpleNamespace(scratch=None),
+                SimpleNamespace(scratch=(64, 256)), SimpleNamespace(scratch=(10, 16))]
+    offsets, total = scratch_offsets(launches, 300)
+    assert offsets == (384, None, None, 1536, 1664)
+    assert total == 1792 and total % 128 == 0
+    assert scratch_offsets([], 0) == ((), 0)
+    assert scratch_offsets([None], 130) == ((None,), 256)
