@@ -373,7 +373,6 @@ def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
     a tensor that does not match its binding: the caller then takes :func:`lce_forward`). The loss and LSE rows
     the kernels also write go to the statistics allocation; the two results are slices of one allocation, each
     128-byte aligned."""
-    _tma.record_decision(plan.decision)
     stream = plan.direct_stream((plan.label, plan.forward, plan.combine))
     if stream is None:
         return None
@@ -388,6 +387,7 @@ def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
     if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, loss, logprob, logprob + 4 * pitch, lse),
                                scratch[2]):
         return None
+    _tma.record_decision(plan.decision)  # once per call, as on the full path (which runs when this returns None)
     return out[:N], out[pitch:]
 
 
