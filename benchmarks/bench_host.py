@@ -6,8 +6,10 @@ entropy, no grad) and forward + backward (RL) at 256 and 2048 tokens (llama3-8B 
   host_us     time to issue one call without synchronising: the median over batches of HOST_BATCH calls, each
               batch started on an idle GPU (the GPU work queues up behind; the queue never fills); host_p25_us is
               the lower quartile of the same batches (host time only grows with interference: other processes,
-              interrupts). The baselines below are the lowest median of three such measurements. Ops that
-              synchronise inside (check_labels / check_ids = True) pay that here.
+              interrupts). The baselines below are the lowest median of three such measurements;
+              trivial_adjacent_us is the trivial launch timed again right before each row (host_in_adjacent_trivial
+              divides by it, which cancels drift of the host's speed within a run). Ops that synchronise inside
+              (check_labels / check_ids = True) pay that here.
   eager_us    an eager loop of CALLS calls, one synchronisation at the end, per call (what a training or
               serving loop sees: host and GPU overlap, the slower of the two wins)
   graph_us    the same call replayed from a CUDA graph (GPU time without the host; ops with a host sync
@@ -72,9 +74,15 @@ def host_us(fn, calls=CALLS * 2, batch: int = HOST_BATCH) -> float:
     return host_stats(fn, calls, batch)[0]
 
 
+_TRIVIAL: list = []  # the trivial Triton launch of baselines(), timed again beside every row
+
+
 def host_row(fn, calls=CALLS * 2) -> dict:
+    """host_us and host_p25_us of ``fn``, and ``trivial_adjacent_us``: the trivial launch's median timed right
+    before, the same way (the ratio to it cancels drift of the host's speed within a run)."""
+    adjacent = host_stats(_TRIVIAL[0], calls)[0] if _TRIVIAL else None
     median, p25 = host_stats(fn, calls)
-    return dict(host_us=median, host_p25_us=p25)
+    return dict(host_us=median, host_p25_us=p25, trivial_adjacent_us=adjacent)
 
 
 def eager_us(fn, calls=CALLS) -> float:
@@ -122,7 +130,8 @@ def baselines() -> dict:
             return grad
 
     x = torch.zeros(1024, device="cuda")
-    trivial = min(host_us(lambda: _trivial[(1,)](x, 1024, BLOCK=1024)) for _ in range(3))
+    _TRIVIAL[:] = [lambda: _trivial[(1,)](x, 1024, BLOCK=1024)]
+    trivial = min(host_us(_TRIVIAL[0]) for _ in range(3))
     small = min(host_us(lambda: x.add_(1.0)) for _ in range(3))
     leaf, g = torch.zeros(4, device="cuda", requires_grad=True), torch.ones(4, device="cuda")
     y = _Nothing.apply(leaf)
@@ -214,6 +223,8 @@ def main(argv=None) -> int:
     rows = moe_rows(base, args.quick) + lce_rows(base)
     for r in rows:
         r["host_in_trivial_launches"] = r.get("host_net_us", r["host_us"]) / r["trivial_triton_us"]
+        if r.get("trivial_adjacent_us"):
+            r["host_in_adjacent_trivial"] = r.get("host_net_us", r["host_us"]) / r["trivial_adjacent_us"]
         r["target_trivial_launches"] = r["launches"] + 1
         if r.get("graph_us"):
             r["eager_over_graph"] = r["eager_us"] / r["graph_us"]
@@ -223,13 +234,14 @@ def main(argv=None) -> int:
     t = Table(title=f"Host cost per eager call (trivial Triton launch {base['trivial_triton_us']:.1f} us, small torch "
                     f"op {base['small_torch_us']:.1f} us, autograd round trip {base['autograd_us']:.1f} us, same run; "
                     "host / trivial nets out the round trip for lce.backward)")
-    for col in ("op", "shape", "tokens", "check", "launches", "host us", "host / trivial", "target", "eager us",
-                "graph us", "eager / graph"):
+    for col in ("op", "shape", "tokens", "check", "launches", "host us", "host / trivial", "/ adjacent", "target",
+                "eager us", "graph us", "eager / graph"):
         t.add_column(col)
     for r in rows:
         f = (lambda key, fmt: (fmt % r[key]) if r.get(key) is not None else "-")
         t.add_row(r["op"], r["shape"], str(r["tokens"]), str(r["check"]), str(r["launches"]), f("host_us", "%.0f"),
-                  f("host_in_trivial_launches", "%.1f"), str(r["target_trivial_launches"]), f("eager_us", "%.0f"),
+                  f("host_in_trivial_launches", "%.1f"), f("host_in_adjacent_trivial", "%.1f"),
+                  str(r["target_trivial_launches"]), f("eager_us", "%.0f"),
                   f("graph_us", "%.0f"), f("eager_over_graph", "%.2f"))
     Console(width=160).print(t)
     return 0

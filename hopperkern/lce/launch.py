@@ -33,7 +33,7 @@ from .._validate import (
     check_same_dtype,
     dot_precision,
 )
-from ..tma.launcher import Launch, Plan, PlanCache, alignment_key, env_key, scratch_offsets
+from ..tma.launcher import Launch, Plan, PlanCache, alignment_key, env_key, launch_state, scratch_offsets
 from ..tuning import KernelConfig
 from ._kernels import (
     lce_combine_kernel,
@@ -530,12 +530,13 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     acc_h = torch.empty((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
     grads = [g if g is not None else lse for g in (g_loss, g_logprob, g_entropy, g_lse)]
     b_arg = bias if bias is not None else weight
+    here = None if plan.interpreted else launch_state()  # device and stream, read once for every launch below
     for col_begin, ncols, dlogits, onehot in plan.slices:
-        dlogits(hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf)
+        _launch(dlogits, here, (hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf))
         if label_term:
             # Overwrites the label entries just written (same stream): p (A + B z) + C + D from the forward's
             # fp32 log-prob, rounded once. Without g_loss and g_logprob, C = 0 and the tile's entry is final.
-            onehot(labels1d, lse, entropy, *grads, logprob, dbuf)
+            _launch(onehot, here, (labels1d, lse, entropy, *grads, logprob, dbuf))
         whole = ncols == V  # one slice: the whole tensors, no views to make
         dl = dbuf if whole and plan.ld == V else dbuf[:, :ncols]
         if need_weight_grad:
@@ -548,6 +549,12 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)
     d_h = (acc_h if fp32_hidden_grad else acc_h.to(dt)) if need_hidden_grad else None
     return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
+
+
+def _launch(launch: Launch, here, tensors) -> None:
+    """``launch(*tensors)`` with the device and stream read beforehand (:func:`launch_state`, or None)."""
+    if here is None or here[0] != launch.device or not launch.direct(here[1], tensors):
+        launch._slow(tensors)
 
 
 class _BackwardPlan(Plan):

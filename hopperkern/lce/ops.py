@@ -70,14 +70,24 @@ def lce_backward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Opti
 
     ``logprob`` (the forward's fp32 log-prob) is required with ``g_loss`` or ``g_logprob``; ``zlab`` is
     deprecated and ignored (pass None); see :func:`launch.lce_backward`."""
+    grads = _backward_grads(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_entropy, g_lse,
+                            ignore_index, label_smoothing, z_loss, softcap, temperature, tma, need_hidden_grad,
+                            need_weight_grad, logprob)
+    # Custom-op outputs must not alias each other: one fresh empty tensor per missing gradient.
+    return tuple(g if g is not None else hidden.new_empty((0,)) for g in grads)
+
+
+def _backward_grads(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_logprob, g_entropy, g_lse,
+                    ignore_index, label_smoothing, z_loss, softcap, temperature, tma, need_hidden_grad,
+                    need_weight_grad, logprob=None):
+    """:func:`lce_backward_impl`'s work: (d_hidden, d_weight, d_bias), None for a gradient not computed (the eager
+    autograd function takes these as they are; the custom op puts empty tensors in their place)."""
     opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
     g = [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
          for x in (g_loss, g_logprob, g_entropy, g_lse)]
     with launch_context(hidden, "hopperkern.lce backward"):
-        dh, dw, db = lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, logprob=logprob, zlab=zlab,
-                                  need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
-    # Custom-op outputs must not alias each other: one fresh empty tensor per missing gradient.
-    return tuple(g if g is not None else hidden.new_empty((0,)) for g in (dh, dw, db))
+        return lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, logprob=logprob, zlab=zlab,
+                            need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
 
 
 lce_backward_op = torch.library.custom_op("hopperkern::lce_backward", mutates_args=())(lce_backward_impl)
@@ -142,7 +152,7 @@ class LceFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
     def backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
-        dh, dw, db = _grads(ctx, lce_backward_impl, g_loss, g_logprob, g_entropy, g_lse)
+        dh, dw, db = _grads(ctx, _backward_grads, g_loss, g_logprob, g_entropy, g_lse)
         return (dh, dw, None, db) + (None,) * 8
 
 
