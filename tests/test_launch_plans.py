@@ -439,3 +439,31 @@ def test_scratch_offsets_lay_out_descriptor_scratch():
     assert total == 1792 and total % 128 == 0
     assert scratch_offsets([], 0) == ((), 0)
     assert scratch_offsets([None], 130) == ((None,), 256)
+
+
+@gpu
+def test_lce_nograd_key_only_for_plain_eager_nograd_calls():
+    """The one-lookup path is only for eager calls autograd does not record, on plain CUDA tensors, without
+    autocast, a process group or a synchronous label check; every other call gets no key (the full path)."""
+    import hopperkern.lce.api as lce_api
+
+    h, w, y = lce_inputs(N=8, V=300, H=64, dtype=torch.bfloat16)
+    key = lambda *a, **kw: lce_api._nograd_key(*a, **kw)  # noqa: E731
+    args = (1.0, -100, "auto")
+    assert key(h, w, y, *args, "auto", None) is not None
+    assert key(h, w, y, *args, False, None) is not None
+    assert key(h, w, y, *args, True, None) is None  # a synchronous check runs on the full path
+    assert key(h, w, y, *args, "auto", object()) is None  # a process group
+    assert key(h.cpu(), w.cpu(), y.cpu(), *args, "auto", None) is None
+    wg = w.clone().requires_grad_()
+    assert key(h, wg, y, *args, "auto", None) is None  # autograd records this call
+    with torch.no_grad():
+        assert key(h, wg, y, *args, "auto", None) is not None
+        with torch.autocast("cuda", dtype=torch.float16):
+            assert key(h, w, y, *args, "auto", None) is None
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert key(h.as_subclass(Sub), w, y, *args, "auto", None) is None
+    assert key(h, w, y, 1, -100, "auto", "auto", None) != key(h, w, y, 1.0, -100, "auto", "auto", None)
