@@ -467,3 +467,14 @@ def test_lce_nograd_key_only_for_plain_eager_nograd_calls():
 
     assert key(h.as_subclass(Sub), w, y, *args, "auto", None) is None
     assert key(h, w, y, 1, -100, "auto", "auto", None) != key(h, w, y, 1.0, -100, "auto", "auto", None)
+
+
+@pytest.mark.parametrize("bad", ["hidden", "topk_weights"])
+def test_fused_moe_non_tensor_gets_type_error_with_grad_enabled(bad):
+    """The eager fast path's grad test must not touch a non-tensor argument: the validation's TypeError comes
+    first, as without the fast path."""
+    x, w13, w2, weights, ids = moe_inputs()
+    args = dict(hidden=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids)
+    args[bad] = None if bad == "topk_weights" else x.tolist()
+    with torch.enable_grad(), pytest.raises(TypeError, match=f"{bad} must be"):
+        moe.fused_moe(args["hidden"], args["w13"], args["w2"], args["topk_weights"], args["topk_ids"])

@@ -300,6 +300,8 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     N = hidden2d.shape[0]
     dev = hidden2d.device
     if N == 0:
+        if hidden2d.is_cuda and _tma.interpreter_active():
+            _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # as any call would under the interpreter
         f32 = dict(dtype=torch.float32, device=dev)
         return tuple(torch.zeros(0, **f32) for _ in range(4))
     plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
@@ -327,9 +329,13 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 
 
 def _outputs(N: int, dev, shared: bool):
-    """(loss, logprob, entropy, lse), fp32 [N] each: views of one allocation when ``shared``."""
+    """(loss, logprob, entropy, lse), fp32 [N] each: views of one allocation when ``shared``, each row 128-byte
+    aligned (a launch bound with aligned outputs refuses others, and the direct forward would then run again)."""
     if shared:
-        return torch.empty((4, N), dtype=torch.float32, device=dev).unbind(0)
+        pitch = _round_up(N, _PIECE_ALIGN // 4)
+        if pitch == N:
+            return torch.empty((4, N), dtype=torch.float32, device=dev).unbind(0)
+        return torch.empty((4, pitch), dtype=torch.float32, device=dev)[:, :N].unbind(0)
     return tuple(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
 
 

@@ -97,8 +97,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte
     aligned strides, so ``tma="auto"`` falls back to pointer loads for weights that are not.
     """
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or w13.requires_grad or w2.requires_grad
-                                        or topk_weights.requires_grad)
+    # getattr: a non-tensor argument must reach the validation below and its TypeError.
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (hidden, w13, w2, topk_weights))
     if config is None and not grad and not torch.compiler.is_compiling():
         # The common eager inference call: one key lookup finds the plan of an earlier validated call.
         out = cached_forward(hidden, w13, w2, topk_weights, topk_ids, activation, tma, check_ids, deterministic)

@@ -331,13 +331,13 @@ class ForwardPlan(Plan):
         pre = env["pre"] if self.save == SAVE_PRE else _empty(hidden, 0, 2 * self.I)
         return out, pre, env["sorted_slots"], env["block_expert"], env["expert_offsets"], env["num_blocks"]
 
-
     def _bound(self) -> bool:
         """Whether every launch of this plan is bound to a compiled kernel on this plan's device (then it stays so)."""
-        self.all_bound = all(launch.c_launch is not None and launch.device == self.device for launch, _ in self.steps)
-        if self.all_bound:
+        bound = all(launch.c_launch is not None and launch.device == self.device for launch, _ in self.steps)
+        if bound:  # the layout before the flag: another thread may read the flag and go direct at once
             self.desc_at, self.direct_bytes = scratch_offsets([launch for launch, _ in self.steps], self.layout_bytes)
-        return self.all_bound
+            self.all_bound = True
+        return bound
 
 
 def _round_up(n: int, m: int) -> int:

@@ -253,7 +253,7 @@ class Launch:
             if t.__class__ is int:  # an address a plan laid out itself (see run_direct)
                 args[p] = t
                 continue
-            if t.dtype != dt:
+            if t.dtype != dt or t.get_device() != self.device:  # another device: Triton's path says what is wrong
                 return False
             ptr = t.data_ptr()
             if al and ptr & 15:
