@@ -478,3 +478,15 @@ def test_fused_moe_non_tensor_gets_type_error_with_grad_enabled(bad):
     args[bad] = None if bad == "topk_weights" else x.tolist()
     with torch.enable_grad(), pytest.raises(TypeError, match=f"{bad} must be"):
         moe.fused_moe(args["hidden"], args["w13"], args["w2"], args["topk_weights"], args["topk_ids"])
+
+
+def test_env_key_follows_a_replaced_environ(monkeypatch):
+    """env_key reads os.environ's own store for speed, and reads anew when os.environ itself is replaced."""
+    from hopperkern.tma.launcher import env_key
+
+    monkeypatch.setenv("HOPPERKERN_TMA", "always")
+    always = env_key()  # the values as os.environ stores them (bytes on POSIX)
+    monkeypatch.setenv("HOPPERKERN_TMA", "never")
+    assert env_key() != always
+    monkeypatch.setattr(os, "environ", {"HOPPERKERN_TMA": "never", "HOPPERKERN_CONFIG": "x.json"})
+    assert env_key() == ("never", "x.json")

@@ -22,7 +22,7 @@ import torch
 
 from .. import tma as _tma
 from .. import tuning as _tuning
-from .._host import cdiv
+from .._host import cdiv, round_up
 from .._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -33,7 +33,8 @@ from .._validate import (
     check_same_dtype,
     dot_precision,
 )
-from ..tma.launcher import Launch, Plan, PlanCache, alignment_key, env_key, launch_state, scratch_offsets
+from ..tma.launcher import PIECE_ALIGN, Launch, Plan, PlanCache, alignment_key, env_key, launch_at, launch_state
+from ..tma.launcher import scratch_offsets
 from ..tuning import KernelConfig
 from ._kernels import (
     lce_combine_kernel,
@@ -228,7 +229,7 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     offsets, at = [], 0
     for rows in plan.stat_rows + [1, 1]:
         offsets.append(at)
-        at += _round_up(rows * N * 4, _PIECE_ALIGN)
+        at += round_up(rows * N * 4, PIECE_ALIGN)
     plan.stat_at = (offsets[0], offsets[1], offsets[2] if need_entropy else 0,
                     offsets[2 + need_entropy] if need_sumz else 0, offsets[-3], offsets[-2], offsets[-1])
     plan.stat_bytes = at
@@ -332,7 +333,7 @@ def _outputs(N: int, dev, shared: bool):
     """(loss, logprob, entropy, lse), fp32 [N] each: views of one allocation when ``shared``, each row 128-byte
     aligned (a launch bound with aligned outputs refuses others, and the direct forward would then run again)."""
     if shared:
-        pitch = _round_up(N, _PIECE_ALIGN // 4)
+        pitch = round_up(N, PIECE_ALIGN // 4)
         if pitch == N:
             return torch.empty((4, N), dtype=torch.float32, device=dev).unbind(0)
         return torch.empty((4, pitch), dtype=torch.float32, device=dev)[:, :N].unbind(0)
@@ -387,7 +388,7 @@ def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
     m, s, t, sumz, zl, loss, lse = (base + offset for offset in plan.stat_at)
     if not _forward_launches(plan, stream, hidden2d, weight, weight, labels1d, None, m, s, t, sumz, zl, scratch):
         return None
-    pitch = _round_up(N, _PIECE_ALIGN // 4)
+    pitch = round_up(N, PIECE_ALIGN // 4)
     out = torch.empty(pitch + N, dtype=torch.float32, device=hidden2d.device)
     logprob = out.data_ptr()
     if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, loss, logprob, logprob + 4 * pitch, lse),
@@ -397,11 +398,6 @@ def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
     return out[:N], out[pitch:]
 
 
-def _round_up(n: int, m: int) -> int:
-    return cdiv(n, m) * m
-
-
-_PIECE_ALIGN = 128  # bytes: the alignment of the pieces of a direct call's allocations
 
 
 def _combine_launch(S: int, N: int, S_zl: int, labels1d, V: int, opts: LceOptions, need_entropy: bool,
@@ -538,11 +534,11 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     b_arg = bias if bias is not None else weight
     here = None if plan.interpreted else launch_state()  # device and stream, read once for every launch below
     for col_begin, ncols, dlogits, onehot in plan.slices:
-        _launch(dlogits, here, (hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf))
+        launch_at(dlogits, here, (hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf))
         if label_term:
             # Overwrites the label entries just written (same stream): p (A + B z) + C + D from the forward's
             # fp32 log-prob, rounded once. Without g_loss and g_logprob, C = 0 and the tile's entry is final.
-            _launch(onehot, here, (labels1d, lse, entropy, *grads, logprob, dbuf))
+            launch_at(onehot, here, (labels1d, lse, entropy, *grads, logprob, dbuf))
         whole = ncols == V  # one slice: the whole tensors, no views to make
         dl = dbuf if whole and plan.ld == V else dbuf[:, :ncols]
         if need_weight_grad:
@@ -555,12 +551,6 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)
     d_h = (acc_h if fp32_hidden_grad else acc_h.to(dt)) if need_hidden_grad else None
     return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
-
-
-def _launch(launch: Launch, here, tensors) -> None:
-    """``launch(*tensors)`` with the device and stream read beforehand (:func:`launch_state`, or None)."""
-    if here is None or here[0] != launch.device or not launch.direct(here[1], tensors):
-        launch._slow(tensors)
 
 
 class _BackwardPlan(Plan):

@@ -17,10 +17,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._host import round_up
 from .._validate import _PLAIN_TENSORS, check_local_memory, sync_check
 from ..tma import decide, interpreter_active, launch_context, record_decision
 from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, launch_state, run_direct, run_steps
-from ..tma.launcher import scratch_offsets
+from ..tma.launcher import PIECE_ALIGN, scratch_offsets
 from ..tuning import KernelConfig, MoeConfig, device_config
 from .align import AlignPlan, align_steps, direct_plan, empty_plan, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
@@ -169,7 +170,6 @@ def _empty_problem(hidden, w13, topk_ids, config, save):
 
 _FORWARD_PLANS = PlanCache("moe.forward")
 _ALIGN_ELEMS = 8  # pieces of one allocation start 16-byte aligned (8 elements of 2 bytes or more)
-_SCRATCH_ALIGN = 128  # bytes: pieces of a direct call's scratch allocation
 
 
 class ForwardPlan(Plan):
@@ -197,7 +197,7 @@ class ForwardPlan(Plan):
                           expert_offsets=(E + 1,), expert_counts=(E,), num_blocks=(1,))
             shapes.update(scratch_shapes(T * k, E))
             self.i32 = shapes
-            self.i32_sizes = [_round_up(_numel(v), _ALIGN_ELEMS) for v in shapes.values()]
+            self.i32_sizes = [round_up(_numel(v), _ALIGN_ELEMS) for v in shapes.values()]
             self.i32_total = sum(self.i32_sizes)
         self.rows = sample.max_rows
         self.out_shape = (T, H)
@@ -206,7 +206,7 @@ class ForwardPlan(Plan):
         self.buf_shape = None if self.fused_topk else slot_buffer_shape(T, k, H, deterministic)
         self.ids_flat = topk_ids.is_contiguous()
         per_slot = self.deterministic and not self.fused_topk
-        self.scratch_sizes = [_round_up(self.rows * I, _ALIGN_ELEMS)] + ([_round_up(T * k * H, _ALIGN_ELEMS)]
+        self.scratch_sizes = [round_up(self.rows * I, _ALIGN_ELEMS)] + ([round_up(T * k * H, _ALIGN_ELEMS)]
                                                                           if per_slot else [])
         self.scratch_total = sum(self.scratch_sizes)
         self.layout, self.layout_bytes = self._layout(hidden.element_size(), per_slot)
@@ -243,7 +243,7 @@ class ForwardPlan(Plan):
         layout, offset = [], 0
         for name, nbytes in sizes:
             layout.append((name, offset))
-            offset += _round_up(max(nbytes, 1), _SCRATCH_ALIGN)
+            offset += round_up(max(nbytes, 1), PIECE_ALIGN)
         for alias, name in (("pre_gate", "inter"), ("pre_up", "inter")) + (() if self.direct else
                                                                            (("slots", "sorted_slots"),)):
             layout.append((alias, dict(layout)[name]))
@@ -338,10 +338,6 @@ class ForwardPlan(Plan):
             self.desc_at, self.direct_bytes = scratch_offsets([launch for launch, _ in self.steps], self.layout_bytes)
             self.all_bound = True
         return bound
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _numel(shape) -> int:

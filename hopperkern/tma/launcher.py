@@ -28,11 +28,14 @@ import functools
 import os
 import threading
 
+from .._host import round_up
 from .capability import _numbers, _triton_version, interpreter_active
 from .descriptors import ensure_allocator
 
 __all__ = ["Launch", "Plan", "PlanCache", "alignment_key", "clear_plans", "current_device", "direct_launch_supported",
-           "env_key", "launch_state", "run_direct", "run_steps", "scratch_offsets"]
+           "env_key", "launch_at", "launch_state", "run_direct", "run_steps", "scratch_offsets", "PIECE_ALIGN"]
+
+PIECE_ALIGN = 128  # bytes: where every piece of a plan's per-call allocation starts (TMA's and any binary's need)
 
 _DIRECT_TRITON = ((3, 6), (3, 10))  # [low, high): versions whose launch call this module mirrors
 
@@ -100,11 +103,15 @@ def _raw_environ():
 
 
 _ENVIRON = _raw_environ()
+_ENVIRON_OF = os.environ  # the mapping _ENVIRON was read from (a replaced os.environ is read anew)
 
 
 def env_key() -> tuple:
     """The environment every plan depends on: ``HOPPERKERN_TMA`` and ``HOPPERKERN_CONFIG`` as set now (part of
     each plan key, so a changed value takes effect on the next call), as ``os.environ`` stores them."""
+    global _ENVIRON, _ENVIRON_OF
+    if os.environ is not _ENVIRON_OF:
+        _ENVIRON, _ENVIRON_OF = _raw_environ(), os.environ
     data, tma, config = _ENVIRON
     if data is None:
         env = os.environ
@@ -198,8 +205,8 @@ class Launch:
     the current stream.
 
     After the first call the launch goes straight to the compiled kernel's C launcher: tensors travel as their
-    addresses (so the launcher asks neither ``data_ptr`` nor the driver about them; the plans that own launches
-    have checked their devices) and the descriptor scratch comes from Triton's allocator as Triton would take it."""
+    addresses, after a check of each one's dtype, device and alignment against the binding, and the descriptor
+    scratch comes from the plan's own allocation (:func:`scratch_offsets`) or from Triton's allocator."""
 
     __slots__ = ("fn", "grid", "template", "options", "tensor_pos", "dtypes", "aligned", "compiled", "device",
                  "c_launch", "c_head", "c_meta", "scratch")
@@ -236,11 +243,7 @@ class Launch:
         self.scratch = None  # (bytes, alignment) of the descriptor scratch, once bound
 
     def __call__(self, *tensors) -> None:
-        if self.c_launch is not None:
-            here = launch_state()
-            if here is not None and here[0] == self.device and self.direct(here[1], tensors):
-                return
-        self._slow(tensors)
+        launch_at(self, launch_state() if self.c_launch is not None else None, tensors)
 
     def direct(self, stream: int, tensors, scratch: int | None = None) -> bool:
         """Launch on ``stream`` through the bound C launcher; False (nothing launched) when a tensor does not match
@@ -326,14 +329,17 @@ def launch_state():
 def run_steps(steps, env: dict) -> None:
     """Launch ``steps``, ``(Launch, tensor names)`` pairs, with the tensors of ``env`` (name -> tensor). The device,
     stream and hook state are read once for all of them."""
-    here = None
+    here, read = None, False
     for launch, names in steps:
-        tensors = [env[n] for n in names]
-        if launch.c_launch is not None:
-            if here is None:
-                here = launch_state() or (None, None)
-            if here[0] == launch.device and launch.direct(here[1], tensors):
-                continue
+        if launch.c_launch is not None and not read:
+            here, read = launch_state(), True
+        launch_at(launch, here, [env[n] for n in names])
+
+
+def launch_at(launch: Launch, here, tensors) -> None:
+    """``launch(*tensors)`` with ``here``, :func:`launch_state` read beforehand: direct where the launch is bound
+    on that device and takes the tensors, else Triton's own path (None for ``here`` asks for it)."""
+    if launch.c_launch is None or here is None or here[0] != launch.device or not launch.direct(here[1], tensors):
         launch._slow(tensors)
 
 
@@ -362,14 +368,9 @@ def scratch_offsets(launches, start: int) -> tuple[tuple, int]:
             offsets.append(None)
             continue
         size, align = need
-        at = _round_up(at, max(align, _PIECE))
+        at = round_up(at, max(align, PIECE_ALIGN))
         offsets.append(at)
         at += size
-    return tuple(offsets), _round_up(at, _PIECE)
+    return tuple(offsets), round_up(at, PIECE_ALIGN)
 
 
-_PIECE = 128  # bytes: the least alignment of a piece of a plan's allocation
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
