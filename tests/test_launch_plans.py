@@ -490,3 +490,28 @@ def test_env_key_follows_a_replaced_environ(monkeypatch):
     assert env_key() != always
     monkeypatch.setattr(os, "environ", {"HOPPERKERN_TMA": "never", "HOPPERKERN_CONFIG": "x.json"})
     assert env_key() == ("never", "x.json")
+
+
+def test_launch_at_dispatch():
+    """launch_at goes direct only for a bound launch on the device of ``here`` that takes the tensors; every other
+    case (unbound, no launch state, another device, tensors refused) takes Triton's path, once."""
+    from hopperkern.tma.launcher import launch_at
+
+    class Fake:
+        def __init__(self, bound, device=0, takes=True):
+            self.c_launch = object() if bound else None
+            self.device, self.takes, self.calls = device, takes, []
+
+        def direct(self, stream, tensors):
+            self.calls.append(("direct", stream))
+            return self.takes
+
+        def _slow(self, tensors):
+            self.calls.append(("slow",))
+
+    cases = [(Fake(True), (0, 7), [("direct", 7)]), (Fake(False), (0, 7), [("slow",)]),
+             (Fake(True), None, [("slow",)]), (Fake(True, device=1), (0, 7), [("slow",)]),
+             (Fake(True, takes=False), (0, 7), [("direct", 7), ("slow",)])]
+    for fake, here, want in cases:
+        launch_at(fake, here, ())
+        assert fake.calls == want
