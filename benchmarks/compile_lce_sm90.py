@@ -42,16 +42,19 @@ def main() -> int:
                 # STORE_Z (the 3-pass SFT forward: fp32 logits out, no entropy) runs with sft.store_z_config of
                 # the tuned config: compiled once, for the tiles it keeps.
                 cfg = KernelConfig(block_m=bn, block_n=bv, block_k=bk, num_warps=w, num_stages=st)
+                # STORE_E (the 3-pass forward without softcap: bf16 exponentials out) runs at the tuned tiles.
                 keeps = store_z_config(cfg) == cfg or (bn, bv, bk, w, st) == (128, 128, 64, 8, 4)
-                for store_z in (False, True) if keeps else (False,):
-                    comp(f"lce_forward  {tag} store_z={int(store_z)}", K.lce_forward_kernel,
+                for store in ("", "z", "e") if keeps else ("", "e"):
+                    comp(f"lce_forward  {tag} store={store or '-'}", K.lce_forward_kernel,
                          dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", m_ptr="fp32",
-                              s_ptr="fp32", t_ptr="fp32", sumz_ptr="fp32", zl_ptr="fp32", z_ptr="fp32", N=N, V=V,
+                              s_ptr="fp32", t_ptr="fp32", sumz_ptr="fp32", zl_ptr="fp32",
+                              z_ptr="bf16" if store == "e" else "fp32", mt_ptr="fp32", N=N, V=V,
                               H=H, S=17, tiles_per_split=30, stride_hn=H, stride_hk=1, stride_wv=H, stride_wk=1,
-                              stride_zn=V, softcap=1.0, inv_temp=1.0),
+                              stride_zn=V, stride_mt=1024, softcap=1.0, inv_temp=1.0),
                          dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
-                              NEED_T=not store_z, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
-                              DOT_PRECISION="tf32", PICK_LABEL=True, STORE_Z=store_z),
+                              NEED_T=not store, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
+                              DOT_PRECISION="tf32", PICK_LABEL=True, STORE_Z=store == "z", STORE_E=store == "e",
+                              E_TMA=tma and store == "e"),
                          w, st)
                 comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,
                      dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32",
@@ -76,6 +79,12 @@ def main() -> int:
                       d_ptr="bf16", N=512, V=V, stride_zn=V, stride_dn=V, ignore_index=-100, label_smoothing=0.0,
                       z_loss=0.0, softcap=30.0, inv_temp=1.0),
                  dict(BLOCK_N=32, BLOCK_V=256, SOFTCAP=softcap, Z_TMA=tma, D_TMA=tma), 4, 1)
+    for tma in (False, True):
+        comp(f"lce_sft_fixup 32x256 tma={int(tma)}", K.lce_sft_fixup_kernel,
+             dict(d_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32",
+                  scale_ptr="fp32", N=512, V=V, stride_dn=V, stride_mt=1024, ignore_index=-100,
+                  label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
+             dict(BLOCK_N=32, BLOCK_V=256, FWD_BLOCK_V=256, D_TMA=tma), 4, 1)
     for tma in (False, True):
         comp(f"matmul 64x64x32 tma={int(tma)}", _matmul_kernel,
              dict(a_ptr="bf16", b_ptr="bf16", c_ptr="bf16", M=1024, N=1024, K=1024, stride_am=1024, stride_ak=1,

@@ -251,6 +251,12 @@ def expect_path(mode, *, backward=True, hidden=True, weight=True, sft=None):
         wanted = {None: {BWD, SFT}, True: {SFT}, False: {BWD}}[sft]
         assert launched & wanted, f"none of {sorted(wanted)} was launched (launched: {sorted(launched)})"
         assert not (launched - wanted - {FWD}), f"{sorted(launched - wanted - {FWD})} launched too"
+    if "exp_logits" in tma.last_decision(FWD).use:
+        # The 3-pass forward without softcap stores its exponentials (a third operand), and its d(logits) kernel
+        # reads and writes that one buffer in place.
+        assert SFT in launched, "a forward stored its exponentials without the 3-pass d(logits) kernel"
+        want[FWD] = dict(want[FWD], exp_logits=mode != "never")
+        want[SFT] = {"dlogits": mode != "never"}
     for op in launched:
         d = tma.last_decision(op)
         assert (d.mode, dict(d.use)) == (mode, want[op]), d

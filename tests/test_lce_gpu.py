@@ -268,22 +268,23 @@ def _sum_loss_peak_extra(shape, sft_path):
 # The 3-pass SFT path (hopperkern.lce.sft) against the 4-pass path and fp64, bf16 at real sizes
 
 SFT_SHAPES = [
-    pytest.param((2048, 128256, 4096), id="llama3-V128256-H4096"),  # 4 token chunks of 512
+    pytest.param((2048, 128256, 4096), id="llama3-V128256-H4096"),
     pytest.param((1937, 151936, 896), id="qwen2-V151936-H896"),  # odd N, a vocab tail tile
 ]
 
 
-def _sft_paths_no_worse(inp, mode, reduction="mean", baseline_max=5e-2, out_atol=1e-5):
+def _sft_paths_no_worse(inp, mode, reduction="mean", baseline_max=5e-2, out_atol=1e-5, **options):
     """Loss, d_hidden and d_weight of both SFT paths (upstream grad in [0.5, 1.5)): each within 2x torch's error
     (in the inputs' dtype) of fp64, and the two paths' grads within a few bf16 roundings of each other."""
     ups = [upstream((), device=DEV)]
-    (want,), want_grads = run(call(ref.linear_cross_entropy, reduction=reduction), inp, ups, dtype=torch.float64)
-    (base,), base_grads = run(call(torch_lowp_cross_entropy, reduction=reduction), inp, ups)
+    (want,), want_grads = run(call(ref.linear_cross_entropy, reduction=reduction, **options), inp, ups,
+                              dtype=torch.float64)
+    (base,), base_grads = run(call(torch_lowp_cross_entropy, reduction=reduction, **options), inp, ups)
     got = {}
     for path in ("3pass", "4pass"):
         with expect_path(mode, sft=path == "3pass"):
-            (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, tma=mode, sft_path=path), inp,
-                                 ups)
+            (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, tma=mode, sft_path=path,
+                                      **options), inp, ups)
         _no_worse_than_torch([loss, *grads[:2]], [base, *base_grads[:2]], [want, *want_grads[:2]],
                              ("loss",) + GRADS, baseline_max, out_atol)
         got[path] = grads
@@ -296,6 +297,13 @@ def _sft_paths_no_worse(inp, mode, reduction="mean", baseline_max=5e-2, out_atol
 def test_bf16_sft_paths(shape, mode):
     """bf16 mean loss at real sizes on both SFT paths: within 2x torch's bf16 error of fp64, and each other."""
     _sft_paths_no_worse(_inputs(shape), mode)
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_bf16_sft_paths_softcap(mode):
+    """With softcap (Gemma-2's 30) and label smoothing the 3-pass forward stores fp32 logits in token chunks (the
+    tanh factor needs each logit): bf16 at a real size, both SFT paths against torch's error and each other."""
+    _sft_paths_no_worse(_inputs(SFT_SHAPES[1].values[0]), mode, softcap=30.0, label_smoothing=0.1)
 
 
 @pytest.mark.parametrize("shape", CONFIDENT_SHAPES)

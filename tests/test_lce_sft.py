@@ -47,6 +47,8 @@ CASES = [
     Case("plain/mean", "no options; mean over all tokens (1/N folded into d(logits) from the device)"),
     Case("all/mean", "every option + bias + ignored tokens; 1/kept from the device", ALL, bias=True, ignore=0.3),
     Case("all/sum", "every option + bias + ignored tokens; sum", ALL, bias=True, ignore=0.3, reduction="sum"),
+    Case("all-but-softcap/sum", "every option but softcap + bias + ignored tokens: the stored exponentials' path",
+         dict(ALL, softcap=None), bias=True, ignore=0.3, reduction="sum"),
     Case("ignore_index=5", "an ignore_index inside [0, V): its column is no label for ignored rows",
          dict(ignore_index=5), ignore=0.3, reduction="sum"),
 ]
@@ -95,7 +97,7 @@ def test_3pass_token_chunks(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CASES[:2] + CONFIDENT_CASES, **IDS)
+@pytest.mark.parametrize("case", CASES[:3] + CONFIDENT_CASES, **IDS)
 def test_3pass_fp16_no_worse_than_torch(case, mode):
     """fp16 loss and grads within 2x plain PyTorch's fp16 error of fp64, also for confident predictions (the label
     entry formed in fp32 from the log-prob, the upstream grad applied in fp32 after the GEMM, one rounding each)."""
@@ -106,7 +108,7 @@ def test_3pass_fp16_no_worse_than_torch(case, mode):
 
 @pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [CASES[1], CONFIDENT_CASES[2]], **IDS)
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CONFIDENT_CASES[2]], **IDS)
 def test_3pass_bf16_no_worse_than_torch(case, mode):
     """bf16 (conftest's interpreter patch): loss and grads within 2x plain PyTorch's bf16 error of fp64."""
     check_no_worse(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE), case.fn(ref.linear_cross_entropy),

@@ -50,14 +50,16 @@ def lce_forward_kernel(
     labels_ptr,  # [N] int
     m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 per-split running max, sum exp(z-m), sum exp(z-m)*z, sum z
     zl_ptr,  # [S, N] fp32 the label's logit where this split holds the label, else 0
-    z_ptr,  # [N, ld_z] fp32 out: the final logits (only with STORE_Z; else a dummy)
+    z_ptr,  # [N, ld_z] out: fp32 final logits (STORE_Z), or exp(z - running max) in the inputs' dtype (STORE_E)
+    mt_ptr,  # [N, ld_mt] fp32 out (STORE_E): the running max of row n after vocab tile vt, at [n, vt]
     N, V, H, S, tiles_per_split,
-    stride_hn, stride_hk, stride_wv, stride_wk, stride_zn,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_zn, stride_mt,
     softcap, inv_temp,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
     FLATTEN: tl.constexpr, H_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PICK_LABEL: tl.constexpr, STORE_Z: tl.constexpr = False,
+    PICK_LABEL: tl.constexpr, STORE_Z: tl.constexpr = False, STORE_E: tl.constexpr = False,
+    E_TMA: tl.constexpr = False,
 ):
     """Per-split online log-sum-exp statistics.
 
@@ -74,10 +76,20 @@ def lce_forward_kernel(
     no-grad forward ~5-8 % on the H200 (one more [BLOCK_N, BLOCK_V] compare-select-sum per tile), so it is
     only done for the backward.
 
-    STORE_Z (the 3-pass SFT path, :mod:`hopperkern.lce.sft`): every tile's final fp32 logits are also written to
-    ``z`` (columns >= V clipped), from which lce_sft_dlogits_kernel forms d(logits) once the LSE is known.
+    STORE_Z (the 3-pass SFT path with softcap, :mod:`hopperkern.lce.sft`): every tile's final fp32 logits are
+    also written to ``z`` (columns >= V clipped), from which lce_sft_dlogits_kernel forms d(logits) once the LSE
+    is known.
+
+    STORE_E (the 3-pass SFT path without softcap): every tile's e = exp(z - m), the exponentials the running sum
+    takes anyway, with m the row's running max after this tile, is written to ``z`` in its dtype (the inputs':
+    bf16 keeps 8 bits of e in [1e-38, 1], a relative error of 2^-9 at every size), and m to ``mt[n, vt]``. Then
+    p = e exp(m - lse) once the LSE is known (lce_sft_fixup_kernel, in place): 2 bytes per logit each way, and
+    the tile of 16-bit values is staged through shared memory at the forward's own tiling (an fp32 tile at
+    128 x 256 would not fit beside the operand pipeline).
     """
-    tl.static_assert(not STORE_Z or PICK_LABEL, "STORE_Z is for a forward that a backward follows (PICK_LABEL)")
+    tl.static_assert(not (STORE_Z or STORE_E) or PICK_LABEL,
+                     "STORE_Z / STORE_E are for a forward that a backward follows (PICK_LABEL)")
+    tl.static_assert(not (STORE_Z and STORE_E), "one of STORE_Z and STORE_E")
     pid = tl.program_id(0)
     rb, split = grouped_tile(pid, tl.cdiv(N, BLOCK_N), S, GROUP_N)
     row0 = rb * BLOCK_N
@@ -86,6 +98,8 @@ def lce_forward_kernel(
 
     h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
     w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, W_TMA)
+    if STORE_E:
+        e_dst = tile_source_2d(z_ptr, N, V, stride_zn, BLOCK_N, BLOCK_V, E_TMA)
 
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -120,6 +134,10 @@ def lce_forward_kernel(
         alpha = tl.exp(m - m_new)
         e = tl.exp(z - m_new[:, None])
         s = s * alpha + tl.sum(e, 1)
+        if STORE_E:
+            # Columns >= V (e = 0 there) and rows >= N are clipped by the store on both paths.
+            store_2d(e_dst, e.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, E_TMA)
+            tl.store(mt_ptr + rows.to(tl.int64) * stride_mt + vt, m_new, mask=row_ok)
         if NEED_T:
             t = t * alpha + tl.sum(e * zv, 1)
         if NEED_SUMZ:
@@ -413,3 +431,43 @@ def lce_sft_dlogits_kernel(
     dz = _dz(p, z, (a * inv_temp)[:, None], 0.0, d_t, softcap, inv_temp, SOFTCAP)
     # Rows >= N and columns >= V (zeros read there) are clipped by the store on both paths.
     store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)
+
+
+@triton.jit
+def lce_sft_fixup_kernel(
+    d_ptr,  # [N, ld_d] in: e = exp(z - m) from lce_forward_kernel (STORE_E); out, in place: d(logits)
+    mt_ptr,  # [N, ld_mt] fp32: the running max m behind each vocab tile's e (STORE_E)
+    labels_ptr,  # [N] int
+    lse_ptr, logprob_ptr,  # [N] fp32 from the forward's combine (log p of the label: z_label - lse)
+    scale_ptr,  # [1] fp32 the upstream gradient of every kept token's loss: 1 (sum) or 1 / kept tokens (mean)
+    N, V, stride_dn, stride_mt, ignore_index, label_smoothing, z_loss, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, FWD_BLOCK_V: tl.constexpr, D_TMA: tl.constexpr,
+):
+    """d(logits) of a sum or mean loss without softcap, in place over the forward's stored exponentials: the
+    3-pass SFT path. Grid (cdiv(N, BLOCK_N), cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile, which
+    lies within one of the forward's FWD_BLOCK_V-wide vocab tiles (BLOCK_V divides FWD_BLOCK_V).
+
+    p = e exp(m - lse) in fp32 (m <= lse, so the factor is at most 1), then the gradient of lce_sft_dlogits_kernel,
+    dz = (p A + C [j == label] + D) / T, rounded once. At the label, p comes from the forward's fp32 log-prob,
+    so that p - 1 of a confident prediction keeps its precision. A token whose LSE is NaN (an out-of-range
+    label) gets a NaN row.
+    """
+    tl.static_assert(FWD_BLOCK_V % BLOCK_V == 0, "a fixup tile must lie within one forward vocab tile")
+    row0 = tl.program_id(0) * BLOCK_N
+    col0 = tl.program_id(1) * BLOCK_V
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    kept = row_ok & (labels != ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
+    mt = tl.load(mt_ptr + rows.to(tl.int64) * stride_mt + col0 // FWD_BLOCK_V, mask=row_ok, other=0.0)
+    gl = tl.where(kept, tl.load(scale_ptr), 0.0)
+    a, c, d = _loss_coefficients(gl, lse, label_smoothing, z_loss, V)
+    d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
+    e = load_2d(d_src, row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA).to(tl.float32)
+    at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
+    p = tl.where(at_label, tl.exp(logp)[:, None], e * tl.exp(mt - lse)[:, None])
+    dz = p * (a * inv_temp)[:, None] + (d * inv_temp)[:, None] + tl.where(at_label, (c * inv_temp)[:, None], 0.0)
+    # Rows >= N and columns >= V are clipped by the store on both paths.
+    store_2d(d_src, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)

@@ -111,12 +111,14 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         process_group: None, or a ``torch.distributed.ProcessGroup`` over which the head is vocab-parallel (see
             below).
         sft_path: "auto" | "3pass" | "4pass": how a differentiable "sum" or "mean" call computes its gradients.
-            "3pass": the forward also forms d(logits) (from fp32 logits, rounded once) and keeps it, N x V in the
-            inputs' dtype, until the backward, which is then two GEMMs: three passes over the vocab. "4pass": the
+            "3pass": the forward also forms d(logits) and keeps it, N x V in the inputs' dtype, until the
+            backward, which is then two GEMMs: three passes over the vocab. d(logits) comes from the
+            exponentials the forward stores in the inputs' dtype (two roundings of the exact value in 16-bit
+            inputs, one in fp32), or with softcap from fp32 logits (one rounding). "4pass": the
             backward recomputes the logits (four passes; extra memory O(N H) + 128 MiB). "auto" (default) takes
             "3pass" when its extra memory, N x V x itemsize plus scratch (``sft.extra_bytes``), is at most
-            V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass". Both give the same gradients to fp32
-            summation order. A call under ``torch.no_grad()`` runs the plain forward either way;
+            V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass". In fp32 both give the same gradients
+            to fp32 rounding and summation order. A call under ``torch.no_grad()`` runs the plain forward either way;
             ``reduction="none"`` and ``process_group`` always take "4pass" ("3pass" raises ValueError there).
             See :mod:`hopperkern.lce.sft`.
 
@@ -150,7 +152,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     args = (hidden2d, weight, lab, bias, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0),
             float(temperature), tma)
     if grad and reduction != "none" and process_group is None and sft.use_3pass(
-            sft_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.element_size()):
+            sft_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.element_size(),
+            softcap=bool(softcap)):
         loss, _ = lce_sft_forward_op(*args, check, reduction == "mean")
         return loss
     loss, _, _, _ = _forward(process_group, grad, *args, False, check)

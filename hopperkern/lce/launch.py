@@ -185,11 +185,13 @@ _FORWARD_PLANS = PlanCache("lce.forward")
 
 
 def _forward_key(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool,
-                 config: KernelConfig | None, z_out):
+                 config: KernelConfig | None, z_out, e_out):
+    store = z_out if e_out is None else e_out[0]
     return (hidden2d.device, hidden2d.dtype, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(),
             labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, env_key(),
-            alignment_key(hidden2d, weight, labels1d, bias, z_out), None if config is None else config_key(config),
-            None if z_out is None else z_out.stride())
+            alignment_key(hidden2d, weight, labels1d, bias, store), None if config is None else config_key(config),
+            None if store is None else (e_out is None, store.dtype, store.stride(),
+                                        None if e_out is None else e_out[1].stride()))
 
 
 def config_key(cfg: KernelConfig) -> tuple:
@@ -208,15 +210,17 @@ def _stats(plan: _ForwardPlan, N: int, dev):
 
 
 def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool,
-                        config: KernelConfig | None, z_out=None) -> _ForwardPlan:
+                        config: KernelConfig | None, z_out=None, e_out=None) -> _ForwardPlan:
     N = hidden2d.shape[0]
     V, H = weight.shape
     dev = hidden2d.device
     plan = _ForwardPlan()
     plan.bind_source(None if config is not None or _tma.interpreter_active() else _tuning.device_config(dev), dev)
     cfg = config or pick_config("forward", hidden2d.dtype, N, H, dev)
-    d = _tma.decide(opts.tma, {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)),
-                               "weight": (weight, (cfg.block_n, cfg.block_k))}, op="lce.forward", record=False)
+    operands = {"hidden": (hidden2d, (cfg.block_m, cfg.block_k)), "weight": (weight, (cfg.block_n, cfg.block_k))}
+    if e_out is not None:
+        operands["exp_logits"] = (e_out[0], (cfg.block_m, cfg.block_n))
+    d = _tma.decide(opts.tma, operands, op="lce.forward", record=False)
     plan.decision = d
     S, tps = forward_plan(N, V, cfg, _sm_count(dev))
     need_sumz = opts.label_smoothing > 0
@@ -244,36 +248,40 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
         BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
     )
-    store_z = z_out is not None
+    store_z, store_e = z_out is not None, e_out is not None
+    z_arg, mt_arg = _store_args(z_out, e_out) or (one, one)
     plan.forward = Launch(
         lce_forward_kernel, (cdiv(N, cfg.block_m) * S,),
-        hidden2d, weight, b_arg, labels1d, one, one, one, one, one, z_out if store_z else one,
+        hidden2d, weight, b_arg, labels1d, one, one, one, one, one, z_arg, mt_arg,
         N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
-        z_out.stride(0) if store_z else 0, softcap, opts.inv_temp,
+        z_arg.stride(0) if store_z or store_e else 0, mt_arg.stride(0) if store_e else 0, softcap, opts.inv_temp,
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
         HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
-        PICK_LABEL=pick_label, STORE_Z=store_z, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PICK_LABEL=pick_label, STORE_Z=store_z, STORE_E=store_e, E_TMA=d.use.get("exp_logits", False),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     plan.combine = _combine_launch(S, N, S if pick_label else 1, labels1d, V, opts, need_entropy, need_sumz, one)
     return plan
 
 
 def forward_plan_for(hidden2d, weight, labels1d, bias, opts: LceOptions, *, need_entropy: bool = True,
-                     pick_label: bool = True, config: KernelConfig | None = None, z_out=None) -> _ForwardPlan:
+                     pick_label: bool = True, config: KernelConfig | None = None, z_out=None,
+                     e_out=None) -> _ForwardPlan:
     """The cached launch plan of :func:`lce_forward` for these inputs (built on a miss, or when the tuning file
-    it came from changed); ``config`` overrides the tuning file's, ``z_out`` asks for the logits store."""
-    key = _forward_key(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label, config, z_out)
+    it came from changed); ``config`` overrides the tuning file's, ``z_out`` / ``e_out`` ask for a store."""
+    key = _forward_key(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label, config, z_out, e_out)
     plan = _FORWARD_PLANS.get(key)
     if plan is None or not plan.fresh():
         plan = _FORWARD_PLANS.put(key, _build_forward_plan(hidden2d, weight, labels1d, bias, opts, need_entropy,
-                                                           pick_label, config, z_out))
+                                                           pick_label, config, z_out, e_out))
     return plan
 
 
 def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
                 *, need_entropy: bool = True, config: KernelConfig | None = None, pick_label: bool = True,
-                stats_only: bool = False, shared_out: bool = False, z_out: torch.Tensor | None = None):
+                stats_only: bool = False, shared_out: bool = False, z_out: torch.Tensor | None = None,
+                e_out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N]
     (``shared_out``: views of one [4, N] allocation, one allocation instead of four).
 
@@ -294,6 +302,11 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     ``z_out`` (with ``pick_label``; the 3-pass SFT path, :mod:`.sft`): an fp32 [N, >= V] buffer with unit column
     stride that receives the final logits of every token, written by the same kernel.
 
+    ``e_out`` (with ``pick_label``, not with ``z_out``; the 3-pass SFT path without softcap): ``(e, mt)``, e an
+    [N, >= V] buffer in the inputs' dtype with unit column stride that receives exp(z - m) of every logit, m the
+    row's running max after each vocab tile of the config's ``block_n`` columns, written to the fp32 [N, >= that
+    many tiles] ``mt`` (see ``lce_forward_kernel``'s STORE_E).
+
     The config, TMA decision and launches come from a cached plan (:func:`forward_plan_for`).
     """
     if not hidden2d.is_cuda:
@@ -306,7 +319,8 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
         f32 = dict(dtype=torch.float32, device=dev)
         return tuple(torch.zeros(0, **f32) for _ in range(4))
     plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
-                            config=config, z_out=z_out)
+                            config=config, z_out=z_out, e_out=e_out)
+    store = _store_args(z_out, e_out)
     if plan.interpreted:
         _tma.check_interpreter(hidden2d.dtype, "lce.forward")
     _tma.record_decision(plan.decision)
@@ -314,13 +328,13 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     if not stats_only:
         stream = plan.direct_stream((plan.label, plan.forward, plan.combine))
         if stream is not None:
-            out = _forward_direct(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, shared_out)
+            out = _forward_direct(plan, stream, hidden2d, weight, b_arg, labels1d, store, shared_out)
             if out is not None:
                 return out
     m, s, t, sumz, zl = _stats(plan, N, dev)
     if plan.label is not None:
         plan.label(hidden2d, weight, b_arg, labels1d, zl)
-    plan.forward(hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl, z_out if z_out is not None else m)
+    plan.forward(hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl, *(store or (m, m)))
     if stats_only:
         return m, s, t, sumz, zl
     # The combine kernel writes every row of all four outputs (entropy 0 without need_entropy): no fills.
@@ -340,13 +354,22 @@ def _outputs(N: int, dev, shared: bool):
     return tuple(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
 
 
-def _forward_direct(plan: _ForwardPlan, stream: int, hidden2d, weight, b_arg, labels1d, z_out, shared_out: bool):
+def _store_args(z_out, e_out):
+    """The forward kernel's (z, mt) tensors for a store of the logits or their exponentials; None for no store."""
+    if z_out is not None:
+        if e_out is not None:
+            raise ValueError("lce_forward: z_out and e_out are exclusive")
+        return z_out, z_out
+    return e_out
+
+
+def _forward_direct(plan: _ForwardPlan, stream: int, hidden2d, weight, b_arg, labels1d, store, shared_out: bool):
     """:func:`lce_forward` with every launch bound: the statistics and the launches' descriptor scratch as
     addresses in one allocation, each launch through its C launcher. The outputs, or None when a launch refused
     its tensors (the caller then runs the whole forward again the usual way: it recomputes every statistic)."""
     base, held, scratch = _direct_allocation(plan, hidden2d.device)  # held until every launch is enqueued
     m, s, t, sumz, zl = (base + offset for offset in plan.stat_at[:5])
-    if not _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, m, s, t, sumz, zl, scratch):
+    if not _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, store, m, s, t, sumz, zl, scratch):
         return None
     out = _outputs(hidden2d.shape[0], hidden2d.device, shared_out)
     if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, *out), scratch[2]):
@@ -366,12 +389,12 @@ def _direct_allocation(plan: _ForwardPlan, dev):
     return base, buf, [None if at is None else base + at for at in offsets]
 
 
-def _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, z_out, m, s, t, sumz, zl, scratch) -> bool:
+def _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, store, m, s, t, sumz, zl, scratch) -> bool:
     """The label-logit (when not picked) and forward launches of a direct call; False when one refused."""
     if plan.label is not None and not plan.label.direct(stream, (hidden2d, weight, b_arg, labels1d, zl), scratch[0]):
         return False
-    return plan.forward.direct(stream, (hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl,
-                                        z_out if z_out is not None else m), scratch[1])
+    return plan.forward.direct(stream, (hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl, *(store or (m, m))),
+                               scratch[1])
 
 
 def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):

@@ -5,12 +5,18 @@ scalar factor g at the end of the forward. So the forward can form d(logits) its
 is two GEMMs: three passes over the vocab (logits, d_hidden, d_weight) instead of the 4-pass path's four (logits;
 then, in :func:`.launch.lce_backward`, the logits again, d_hidden and d_weight).
 
-Forward (:func:`lce_sft_forward`), per chunk of C tokens: :func:`.launch.lce_forward` with ``z_out`` computes
-the chunk's statistics and writes its final fp32 logits to a [C, V] scratch buffer; after the combine gives the
-LSE and the label's fp32 log-prob, ``lce_sft_dlogits_kernel`` reads the logits back and writes d(logits) for an
-upstream gradient of 1 (sum) or 1 / kept tokens (mean, read from the device: no host sync), formed in fp32 and
-rounded once into the [N, V] buffer kept for the backward (the inputs' dtype). Logits stay fp32 until then:
-rounding them first would put errors of ulp(z) into p.
+Forward (:func:`lce_sft_forward`), without softcap: one :func:`.launch.lce_forward` over all N tokens with
+``e_out`` computes the statistics and writes, for every logit, e = exp(z - m) (m the row's running max after its
+vocab tile, kept per tile in fp32) into the [N, V] buffer kept for the backward, in the inputs' dtype. Once the
+combine gives the LSE and the label's fp32 log-prob, ``lce_sft_fixup_kernel`` turns e into d(logits) in place,
+with p = e exp(m - lse) formed in fp32, for an upstream gradient of 1 (sum) or 1 / kept tokens (mean, read from
+the device: no host sync), rounded once more. e has the relative precision of the inputs' dtype at every
+magnitude (bf16: 2^-9), where rounded logits would put errors of ulp(z) into p; d(logits) is thus within two
+roundings of the exact value rather than one, which the GPU tests bound against fp64 and fp32 torch.
+
+With softcap the gradient also needs each logit itself (the tanh factor), so the forward runs per chunk of C
+tokens with ``z_out`` instead: it writes the chunk's final fp32 logits to a [C, V] scratch buffer, from which
+``lce_sft_dlogits_kernel`` forms d(logits), rounded once.
 
 Backward (:func:`lce_sft_backward`), g the 0-dim upstream gradient on the device:
 ``d_hidden = round(g * (dl @ w))`` and ``d_weight = round(g * (dl^T @ h))``, each one GEMM over its whole K dim
@@ -19,8 +25,8 @@ rounding when g != 1: loss scaling, 1/k gradient accumulation). d_weight goes th
 ``DW_SLICE_BUDGET`` fp32 bytes.
 
 Memory rule (``sft_path="auto"``): the 3-pass path runs when its extra memory, :func:`extra_bytes` (the kept
-d(logits), N x V in the inputs' dtype, plus the larger of the forward's logits chunk and the backward's fp32
-d_hidden and d_weight slice), is at most :func:`budget_bytes` = V x H x 4 bytes (an fp32 copy of the weight) +
+d(logits), N x V in the inputs' dtype, and the per-tile maxima, plus the larger of the forward's logits chunk
+(softcap only) and the backward's fp32 d_hidden and d_weight slice), is at most :func:`budget_bytes` = V x H x 4 bytes (an fp32 copy of the weight) +
 ``EXTRA_BUDGET`` (512 MiB). Otherwise, and always for ``reduction="none"``, per-token outputs
 (``linear_logprobs_entropy``) and vocab-parallel calls, the 4-pass path runs (extra memory O(N H) + 128 MiB).
 """
@@ -33,7 +39,7 @@ from .. import tma as _tma
 from .._host import cdiv
 from .._validate import check_choice
 from ..tuning import KernelConfig
-from ._kernels import lce_sft_dlogits_kernel
+from ._kernels import lce_sft_dlogits_kernel, lce_sft_fixup_kernel
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
@@ -78,11 +84,21 @@ def _slice_rows(V: int, width: int) -> int:
     return min(V, max(256, rows // 256 * 256))
 
 
-def extra_bytes(N: int, V: int, H: int, elem: int) -> int:
+def _max_tiles(V: int) -> int:
+    """Columns of the per-tile maxima counted by :func:`extra_bytes`: vocab tiles of 64 columns (the tuned GPU
+    configs' tiles are 128 or 256 wide; the array is 1/32 of a bf16 d(logits) at 64)."""
+    return cdiv(V, 64)
+
+
+def extra_bytes(N: int, V: int, H: int, elem: int, *, softcap: bool = False) -> int:
     """Peak extra memory of the 3-pass path beyond its inputs and gradients (``elem``: bytes per input element):
-    the kept d(logits) plus the larger of the forward's logits chunk and the backward's fp32 scratch."""
+    the kept d(logits) plus the larger of the forward's scratch (the per-tile maxima, see :func:`_max_tiles`; with
+    ``softcap`` the fp32 logits chunk) and the backward's fp32 scratch."""
     ld = padded_cols(V)
-    forward = min(N, chunk_rows(V, 128, chunk_bytes(N, V, H, elem))) * ld * 4
+    if softcap:
+        forward = min(N, chunk_rows(V, 128, chunk_bytes(N, V, H, elem))) * ld * 4
+    else:
+        forward = N * _max_tiles(V) * 4
     backward = N * H * 4 + _slice_rows(V, H) * H * 4
     return N * ld * elem + max(forward, backward)
 
@@ -101,20 +117,20 @@ def check_sft_path(sft_path, reduction: str, *, sharded: bool = False) -> None:
                          "sum and mean losses of an unsharded head)")
 
 
-def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int) -> bool:
+def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int, *, softcap: bool = False) -> bool:
     """Whether a differentiable sum/mean call takes the 3-pass path: ``"3pass"`` always, ``"4pass"`` never,
     ``"auto"`` when N >= ``MIN_TOKENS_3PASS`` and :func:`extra_bytes` <= :func:`budget_bytes`."""
     check_choice("sft_path", sft_path, SFT_PATHS)
     if sft_path != "auto":
         return sft_path == "3pass"
-    return N >= MIN_TOKENS_3PASS and extra_bytes(N, V, H, elem) <= budget_bytes(V, H)
+    return N >= MIN_TOKENS_3PASS and extra_bytes(N, V, H, elem, softcap=softcap) <= budget_bytes(V, H)
 
 
 _STORE_Z_TILE = 128 * 128  # BLOCK_N x BLOCK_V from which a forward that stores its logits is re-tiled
 
 
 def store_z_config(cfg: KernelConfig) -> KernelConfig:
-    """The forward's launch config when it also stores its fp32 logits (STORE_Z). The store converts each tile
+    """The forward's launch config when it also stores its fp32 logits (STORE_Z, with softcap). The store converts each tile
     to a coalesced layout through shared memory (BLOCK_N x BLOCK_V x 4 bytes): at 128 x 256 that is 128 KB
     beside a 3-stage pipeline's 144 KB, over sm_90's 227 KB, and the tile's addresses spill registers (so do
     128 x 128 tiles with 4 warps, and 128 x 128 x 128 with 3 stages needs 256 KB). So tiles of 128 x 128 or more
@@ -130,12 +146,17 @@ def _row_blocks() -> tuple[int, int]:
     return (16, 32) if _tma.interpreter_active() else (32, 256)
 
 
+def _sft_scalars(opts: LceOptions) -> tuple:
+    return (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss))
+
+
 def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
                     *, mean: bool, config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, dlogits)``: the fp32 sum (or mean over kept tokens, 0.0 when none is kept) of the per-token loss
     of :func:`.launch.lce_forward`, and d loss / d (h @ w^T + b) as a [N, padded_cols(V)] buffer in the inputs'
     dtype (columns >= V unused), for an upstream gradient of 1 on ``loss``. Inputs must be validated already.
-    Extra memory: the returned buffer plus an fp32 [C, padded_cols(V)] logits chunk (:func:`chunk_bytes`)."""
+    Extra memory: the returned buffer plus the fp32 per-tile maxima [N, V / block_n], or with softcap an fp32
+    [C, padded_cols(V)] logits chunk (:func:`chunk_bytes`)."""
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")
     N = hidden2d.shape[0]
     V, H = weight.shape
@@ -147,13 +168,22 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
     # The upstream gradient of each kept token's loss, on the device (no host sync): 1 / kept tokens for "mean".
     scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
-    cfg = config or store_z_config(pick_config("forward", hidden2d.dtype, N, H))
+    store = _forward_logits if opts.softcap else _forward_exp
+    total = store(hidden2d, weight, labels1d, bias, opts, dl, scale, config)
+    return (total / count if mean else total), dl
+
+
+def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config) -> torch.Tensor:
+    """The sum of the per-token losses, with d(logits) written to ``dl``: per token chunk, a forward that stores
+    its fp32 logits, then d(logits) from them (any options; softcap's tanh factor needs the logits)."""
+    N, H = hidden2d.shape
+    V = weight.shape[0]
+    cfg = config or store_z_config(pick_config("forward", hidden2d.dtype, N, H, hidden2d.device))
     C = min(N, chunk_rows(V, cfg.block_m, chunk_bytes(N, V, H, hidden2d.element_size())))
-    z = torch.empty((C, ld), dtype=f32, device=dev)
+    z = torch.empty((C, padded_cols(V)), dtype=torch.float32, device=hidden2d.device)
     bn, bv = _row_blocks()
     d = _tma.decide(opts.tma, {"logits": (z, (bn, bv)), "dlogits": (dl, (bn, bv))}, op=_SFT_OP)
-    scal = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
-            opts.inv_temp)
+    scal = (*_sft_scalars(opts), float(opts.softcap or 1.0), opts.inv_temp)
     losses = []
     for c0 in range(0, N, C):
         rows = min(C, N - c0)
@@ -165,8 +195,26 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
             BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=bool(opts.softcap), Z_TMA=d["logits"], D_TMA=d["dlogits"],
         )
         losses.append(loss.sum())
-    total = torch.stack(losses).sum()
-    return (total / count if mean else total), dl
+    return torch.stack(losses).sum()
+
+
+def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config) -> torch.Tensor:
+    """The sum of the per-token losses, with d(logits) written to ``dl``: one forward over all tokens that stores
+    the exponentials, then the in-place fix-up (no softcap)."""
+    N, H = hidden2d.shape
+    V = weight.shape[0]
+    cfg = config or pick_config("forward", hidden2d.dtype, N, H, hidden2d.device)
+    mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=hidden2d.device)
+    loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
+                                        pick_label=True, e_out=(dl, mt))
+    bn, bv = _row_blocks()
+    bv = min(bv, cfg.block_n)
+    d = _tma.decide(opts.tma, {"dlogits": (dl, (bn, bv))}, op=_SFT_OP)
+    lce_sft_fixup_kernel[(cdiv(N, bn), cdiv(V, bv))](
+        dl, mt, labels1d, lse, logprob, scale, N, V, dl.stride(0), mt.stride(0), *_sft_scalars(opts), opts.inv_temp,
+        BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=cfg.block_n, D_TMA=d["dlogits"],
+    )
+    return loss.sum()
 
 
 def _scaled(acc: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
