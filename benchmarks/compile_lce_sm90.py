@@ -85,6 +85,13 @@ def main() -> int:
                   scale_ptr="fp32", N=512, V=V, stride_dn=V, stride_mt=1024, ignore_index=-100,
                   label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
              dict(BLOCK_N=32, BLOCK_V=256, FWD_BLOCK_V=256, D_TMA=tma), 4, 1)
+    for bv, bh, bk, w, st in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)]:
+        for tma in (False, True):
+            comp(f"lce_dweight {bv}x{bh}x{bk} w{w} s{st} tma={int(tma)}", K.lce_dweight_kernel,
+                 dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="bf16", N=8192, V=V, H=H, stride_dn=V,
+                      stride_hn=H, stride_hk=1, stride_on=H),
+                 dict(BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, GROUP_V=8, D_TMA=tma, H_TMA=tma, O_TMA=tma,
+                      DOT_PRECISION="tf32"), w, st)
     for tma in (False, True):
         comp(f"matmul 64x64x32 tma={int(tma)}", _matmul_kernel,
              dict(a_ptr="bf16", b_ptr="bf16", c_ptr="bf16", M=1024, N=1024, K=1024, stride_am=1024, stride_ak=1,

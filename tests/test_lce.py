@@ -411,15 +411,15 @@ CONFIDENT_CASES = [
 ]
 
 
-def check_no_worse(mode, kernel_fn, ref_fn, base_fn, inp, ups, names, *, out_atol=1e-5):
-    """Run ``kernel_fn`` (asserting it takes memory path ``mode``), ``ref_fn`` in fp64 and ``base_fn`` (plain
-    PyTorch in the inputs' precision) on the same rounded inputs and upstream grads: the kernel's outputs (fp32,
-    called ``names``; ``out_atol`` added to their bar) and grads (in the inputs' dtype) are each within 2x torch's
-    error of fp64."""
-    with expect_path(mode):
-        outs, grads = run(kernel_fn, inp, ups)
-    want, want_grads = run(ref_fn, inp, ups, dtype=torch.float64)
-    base, base_grads = run(base_fn, inp, ups)
+def check_no_worse(mode, kernel_fn, ref_fn, base_fn, inp, ups, names, *, out_atol=1e-5, view=None, path=None):
+    """Run ``kernel_fn`` (asserting it takes memory path ``mode``; ``path``: expect_path's other arguments),
+    ``ref_fn`` in fp64 and ``base_fn`` (plain PyTorch in the inputs' precision) on the same rounded inputs and
+    upstream grads (``view``: as in :func:`run`): the kernel's outputs (fp32, called ``names``; ``out_atol`` added
+    to their bar) and grads (in the inputs' dtype) are each within 2x torch's error of fp64."""
+    with expect_path(mode, **(path or {})):
+        outs, grads = run(kernel_fn, inp, ups, view=view)
+    want, want_grads = run(ref_fn, inp, ups, dtype=torch.float64, view=view)
+    base, base_grads = run(base_fn, inp, ups, view=view)
     for name, o, b, w in zip(names, outs, base, want):
         assert o.dtype == torch.float32, name
         assert_no_worse(name, o, b, w, atol=out_atol)

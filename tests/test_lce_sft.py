@@ -41,6 +41,7 @@ from hopperkern.lce.ops import lce_sft_backward_op, lce_sft_forward_op
 from hopperkern.tuning import KernelConfig
 
 THREE, FOUR = dict(sft_path="3pass"), dict(sft_path="4pass")
+DW = "lce.sft_dweight"
 SAME_ORDER_RTOL = 2e-6  # 3-pass vs 4-pass in fp32: the same math, summed in another order
 
 CASES = [
@@ -100,10 +101,28 @@ def test_3pass_token_chunks(mode, monkeypatch):
 @pytest.mark.parametrize("case", CASES[:3] + CONFIDENT_CASES, **IDS)
 def test_3pass_fp16_no_worse_than_torch(case, mode):
     """fp16 loss and grads within 2x plain PyTorch's fp16 error of fp64, also for confident predictions (the label
-    entry formed in fp32 from the log-prob, the upstream grad applied in fp32 after the GEMM, one rounding each)."""
+    entry formed in fp32 from the log-prob, the upstream grad applied in fp32 after the GEMM, one rounding each).
+    d_weight comes from lce_dweight_kernel on the call's memory path."""
+    before = tma.decision_count(DW)
     check_no_worse(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE), case.fn(ref.linear_cross_entropy),
                    case.fn(torch_lowp_cross_entropy), case.inputs(dtype=torch.float16), case.ups(), ("loss",),
                    out_atol=CONFIDENT_LOSS_ATOL if case.confident else 1e-5)
+    assert tma.decision_count(DW) == before + 1
+    d = tma.last_decision(DW)
+    assert (d.mode, dict(d.use)) == (mode, dict.fromkeys(("dlogits", "hidden", "dweight"), mode != "never"))
+
+
+@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay.name != "odd pitch"], ids=lambda lay: lay.name)
+def test_3pass_fp16_strided_hidden(layout):
+    """fp16 with a strided hidden view: lce_dweight_kernel reads it with its strides ("auto": pointer loads for a
+    transposed view, TMA for an aligned slice) and d_weight stays within 2x torch's error."""
+    case = CASES[2]
+    inp = case.inputs(dtype=torch.float16)
+    inp.hidden = layout.make(inp.hidden)
+    check_no_worse("auto", case.fn(lce.linear_cross_entropy, tma="auto", **THREE), case.fn(ref.linear_cross_entropy),
+                   case.fn(torch_lowp_cross_entropy), inp, case.ups(), ("loss",), view=layout.view,
+                   path=dict(hidden=layout.tma_reason is None, sft=True))
+    assert tma.last_decision(DW).use["hidden"] is (layout.tma_reason is None)
 
 
 @pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
@@ -337,6 +356,6 @@ def test_sft_custom_ops_opcheck():
     _, dl = lce_sft_forward_op(*fwd)
     for hidden in (inp.hidden, inp.hidden.t().contiguous().t()):
         bwd = _op_args("lce_sft_backward", hidden=hidden, weight=inp.weight, bias=inp.bias, dlogits=dl.detach(),
-                       g=upstream(()), need_hidden_grad=True, need_weight_grad=True)
+                       g=upstream(()), need_hidden_grad=True, need_weight_grad=True, tma="never")
         torch.library.opcheck(lce_sft_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
 

@@ -471,3 +471,33 @@ def lce_sft_fixup_kernel(
     dz = p * (a * inv_temp)[:, None] + (d * inv_temp)[:, None] + tl.where(at_label, (c * inv_temp)[:, None], 0.0)
     # Rows >= N and columns >= V are clipped by the store on both paths.
     store_2d(d_src, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)
+
+
+@triton.jit
+def lce_dweight_kernel(
+    d_ptr,  # [N, ld_d] d(logits), in the inputs' dtype
+    h_ptr,  # [N, H] hidden
+    g_ptr,  # [1] fp32 upstream gradient of the loss
+    out_ptr,  # [V, H] out: d_weight, in the inputs' dtype
+    N, V, H, stride_dn, stride_hn, stride_hk, stride_on,
+    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+    D_TMA: tl.constexpr, H_TMA: tl.constexpr, O_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """d_weight = round(g * (d^T @ h)): one GEMM over all N tokens (K = N) with fp32 accumulation, the upstream
+    gradient applied to the fp32 sum and a single rounding to the output dtype (the 3-pass SFT backward). Grid
+    (cdiv(V, BLOCK_V) * cdiv(H, BLOCK_H),), GROUP_V vocab blocks per sweep of the hidden blocks. Both operands
+    are read K-row by K-row ([BLOCK_K, BLOCK_V] of d, [BLOCK_K, BLOCK_H] of h); the d tile is transposed on chip.
+    """
+    vb, hb = grouped_tile(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP_V)
+    d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_K, BLOCK_V, D_TMA)
+    h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_K, BLOCK_H, H_TMA)
+    acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
+    for k in range(0, tl.cdiv(N, BLOCK_K)):
+        # Token tail (rows >= N) reads zeros from both operands; columns >= V of d read zeros too.
+        a = load_2d(d_src, k * BLOCK_K, vb * BLOCK_V, N, V, stride_dn, 1, BLOCK_K, BLOCK_V, D_TMA)
+        b = load_2d(h_src, k * BLOCK_K, hb * BLOCK_H, N, H, stride_hn, stride_hk, BLOCK_K, BLOCK_H, H_TMA)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+    out = acc * tl.load(g_ptr)
+    o_dst = tile_source_2d(out_ptr, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA)
+    store_2d(o_dst, out.to(out_ptr.dtype.element_ty), vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V,
+             BLOCK_H, O_TMA)

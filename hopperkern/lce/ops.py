@@ -180,17 +180,17 @@ def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softc
 
 @torch.library.custom_op("hopperkern::lce_sft_backward", mutates_args=())
 def lce_sft_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dlogits: Tensor, g: Tensor,
-                        need_hidden_grad: bool, need_weight_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+                        need_hidden_grad: bool, need_weight_grad: bool, tma: str) -> tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) for the upstream gradient ``g`` (0-dim) of lce_sft_forward's loss; a gradient
     that is not needed comes back as an empty tensor. See :func:`sft.lce_sft_backward`."""
     with launch_context(hidden, "hopperkern.lce backward"):
         grads = lce_sft_backward(hidden, weight, bias, dlogits, g, need_hidden_grad=need_hidden_grad,
-                                 need_weight_grad=need_weight_grad)
+                                 need_weight_grad=need_weight_grad, tma=tma)
     return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
 
 
 @lce_sft_backward_op.register_fake
-def _(hidden, weight, bias, dlogits, g, need_hidden_grad, need_weight_grad):
+def _(hidden, weight, bias, dlogits, g, need_hidden_grad, need_weight_grad, tma):
     return _fake_grads(hidden, weight, bias, need_hidden_grad, need_weight_grad)
 
 
@@ -199,6 +199,7 @@ def _sft_setup_context(ctx, inputs, output):
     dlogits = output[1]
     ctx.mark_non_differentiable(dlogits)
     ctx.save_for_backward(hidden, weight, bias, dlogits)
+    ctx.tma = inputs[9]
     # Without this autograd would fill a zero gradient for dlogits ([N, V]: as large as dlogits itself) before
     # every backward.
     ctx.set_materialize_grads(False)
@@ -210,7 +211,7 @@ def _sft_backward(ctx, g_loss, _):
     need_b = bias is not None and ctx.needs_input_grad[3]
     if g_loss is None or not (need_h or need_w or need_b):
         return (None,) * 12
-    dh, dw, db = lce_sft_backward_op(hidden, weight, bias, dlogits, g_loss, need_h, need_w)
+    dh, dw, db = lce_sft_backward_op(hidden, weight, bias, dlogits, g_loss, need_h, need_w, ctx.tma)
     return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 8
 
 

@@ -37,9 +37,9 @@ import torch
 
 from .. import tma as _tma
 from .._host import cdiv
-from .._validate import check_choice
+from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
-from ._kernels import lce_sft_dlogits_kernel, lce_sft_fixup_kernel
+from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
@@ -217,17 +217,40 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     return loss.sum()
 
 
+# lce_dweight_kernel's tiles (BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, num_warps, num_stages): 128 x 256 x 64 with a
+# 3-stage pipeline and the bf16 output tile staged for its store fits sm_90's shared memory (208 KB).
+DW_TILES = (128, 256, 64, 8, 8, 3)
+_DW_TILES_INTERPRETED = (16, 32, 16, 4, 4, 1)
+_DW_OP = "lce.sft_dweight"  # its launch's name in tma.last_decision
+
+
+def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: torch.Tensor, tma: str) -> None:
+    """d_w = round(g * (dl^T @ hidden2d)) for 16-bit inputs, one launch of ``lce_dweight_kernel``."""
+    N, H = hidden2d.shape
+    V = d_w.shape[0]
+    bv, bh, bk, group, warps, stages = _DW_TILES_INTERPRETED if _tma.interpreter_active() else DW_TILES
+    d = _tma.decide(tma, {"dlogits": (dl, (bk, bv)), "hidden": (hidden2d, (bk, bh)), "dweight": (d_w, (bv, bh))},
+                    op=_DW_OP)
+    lce_dweight_kernel[(cdiv(V, bv) * cdiv(H, bh),)](
+        dl, hidden2d, g, d_w, N, V, H, dl.stride(0), hidden2d.stride(0), hidden2d.stride(1), d_w.stride(0),
+        BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, GROUP_V=group, D_TMA=d["dlogits"], H_TMA=d["hidden"],
+        O_TMA=d["dweight"], DOT_PRECISION=dot_precision(hidden2d.dtype), num_warps=warps, num_stages=stages,
+    )
+
+
 def _scaled(acc: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = round(g * acc): the product in fp32, one rounding to out's dtype."""
     return torch.mul(acc, g, out=out)
 
 
 def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits: torch.Tensor, g: torch.Tensor,
-                     *, need_hidden_grad: bool = True, need_weight_grad: bool = True):
+                     *, need_hidden_grad: bool = True, need_weight_grad: bool = True, tma: str = "auto"):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` of the 3-pass path in the inputs' dtype, from
     the forward's ``dlogits`` (:func:`lce_sft_forward`) and the 0-dim upstream gradient ``g`` of its loss (read on
-    the device). Each gradient is one fp32-accumulating GEMM over its whole K dim, times g in fp32, rounded once.
-    Extra memory: fp32 [N, H] for d_hidden and one fp32 d_weight slice (``DW_SLICE_BUDGET``)."""
+    the device); ``tma``: the call's memory-path mode. Each gradient is one fp32-accumulating GEMM over its whole K dim, times g in fp32, rounded once:
+    d_hidden through cuBLAS (fp32 output, then g), d_weight of 16-bit inputs in ``lce_dweight_kernel`` (g applied
+    in its epilogue), of fp32 inputs through cuBLAS in vocab slices.
+    Extra memory: fp32 [N, H] for d_hidden (and for fp32 inputs one fp32 d_weight slice, ``DW_SLICE_BUDGET``)."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
@@ -249,7 +272,9 @@ def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits
         for v0 in range(0, V, step):
             _acc_mm_f32(acc, dl[:, v0:v0 + step], weight[v0:v0 + step], beta=int(v0 > 0))
         _scaled(acc, g, d_h)
-    if need_weight_grad:
+    if need_weight_grad and dt != torch.float32:
+        _dweight(dl, hidden2d, g.reshape(1), d_w, tma)
+    elif need_weight_grad:
         rows = _slice_rows(V, H)
         acc = torch.empty((min(rows, V), H), dtype=torch.float32, device=dev)
         for v0 in range(0, V, rows):
