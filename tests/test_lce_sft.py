@@ -269,8 +269,8 @@ def test_auto_path_follows_the_memory_rule(monkeypatch):
 
 @pytest.mark.parametrize("N, H, V, fits, three", [
     (8192, 4096, 128256, True, True), (32768, 4096, 128256, False, False), (16384, 3584, 152064, False, False),
-    (8192, 2304, 256000, False, False), (1937, 3584, 152064, True, False), (2169, 896, 151936, True, False),
-    (1, 16, 32000, True, False), (4096, 4096, 128256, True, True)])
+    (8192, 2304, 256000, False, False), (1937, 3584, 152064, True, True), (2169, 896, 151936, True, True),
+    (1, 16, 32000, True, False), (4096, 4096, 128256, True, True), (1024, 4096, 128256, True, False)])
 def test_memory_rule_on_real_shapes(N, H, V, fits, three):
     """The documented rule on the benchmark's bf16 shapes: "auto" takes the 3-pass path from MIN_TOKENS_3PASS
     tokens, where kept d(logits) + scratch <= V H 4 bytes + 512 MiB."""

@@ -47,10 +47,11 @@ __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "LOGITS_CHUNK_BUDGET
 
 SFT_PATHS = ("auto", "3pass", "4pass")
 EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
-# "auto" takes the 3-pass path from this many tokens. Measured on the H200 (bf16, one run): at 1937 and 2169 tokens
-# it took 1.17x and 1.43x the 4-pass path's time (four small token chunks, each a partly filled wave of the
-# logits-storing forward); at 8192, 16384 and 32768 tokens (H 4096 and 3584) 0.83-0.90x.
-MIN_TOKENS_3PASS = 4096
+# "auto" takes the 3-pass path from this many tokens. Measured on the H200 (bf16, sum loss, one run): the 3-pass
+# path took 0.81x the 4-pass path's time at 1937 x 3584 x 152064 and 1.01x at 2169 x 896 x 151936 (before its
+# d_weight tiles for H = 896, which save ~5 % there); 0.77-0.79x at 8192 and 16384 tokens. Fewer tokens are
+# not measured, so they keep the 4-pass path.
+MIN_TOKENS_3PASS = 1536
 LOGITS_CHUNK_BUDGET = 256 * 2**20  # bytes of the forward's fp32 [C, V] logits of one token chunk, at least
 LOGITS_CHUNK_MAX = 2**30  # and at most: a chunk takes what the memory budget leaves beside the kept d(logits)
 DW_SLICE_BUDGET = 32 * 2**20  # bytes of the backward's fp32 [Vs, H] d_weight slice (small enough to stay in L2)
@@ -146,6 +147,12 @@ def _row_blocks() -> tuple[int, int]:
     return (16, 32) if _tma.interpreter_active() else (32, 256)
 
 
+# The in-place fix-up's tiles. Measured on the H200 (bf16, one run): 32 x 128 tiles with pointer loads stream
+# 2.5-3.1 TB/s of its 4 bytes per logit, TMA loads and stores 2.6-2.9, 32 x 256 tiles about 1.9.
+_FIXUP_BLOCKS, _FIXUP_BLOCKS_INTERPRETED = (32, 128), (16, 32)
+_FIXUP_POINTER = "tma='auto': pointer loads are faster for the in-place d(logits) pass (measured on the H200)"
+
+
 def _sft_scalars(opts: LceOptions) -> tuple:
     return (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss))
 
@@ -207,9 +214,9 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=hidden2d.device)
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
                                         pick_label=True, e_out=(dl, mt))
-    bn, bv = _row_blocks()
+    bn, bv = _FIXUP_BLOCKS_INTERPRETED if _tma.interpreter_active() else _FIXUP_BLOCKS
     bv = min(bv, cfg.block_n)
-    d = _tma.decide(opts.tma, {"dlogits": (dl, (bn, bv))}, op=_SFT_OP)
+    d = _tma.decide(opts.tma, {"dlogits": (dl, (bn, bv))}, op=_SFT_OP, auto_pointer=_FIXUP_POINTER)
     lce_sft_fixup_kernel[(cdiv(N, bn), cdiv(V, bv))](
         dl, mt, labels1d, lse, logprob, scale, N, V, dl.stride(0), mt.stride(0), *_sft_scalars(opts), opts.inv_temp,
         BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=cfg.block_n, D_TMA=d["dlogits"],
@@ -218,8 +225,11 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
 
 
 # lce_dweight_kernel's tiles (BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, num_warps, num_stages): 128 x 256 x 64 with a
-# 3-stage pipeline and the bf16 output tile staged for its store fits sm_90's shared memory (208 KB).
+# 3-stage pipeline (144 KB of shared memory on sm_90, no spills), 256 x 128 where H is no multiple of 256 (no
+# half-empty hidden tile). Measured on the H200 (bf16, one run), time / cuBLAS's bf16 d(logits)^T @ h:
+# 1.01-1.10 at H = 4096, 3584 and 2304; 1.26 at H = 896 with 256 x 128 (1.42 with 128 x 256).
 DW_TILES = (128, 256, 64, 8, 8, 3)
+DW_TILES_NARROW = (256, 128, 64, 8, 8, 3)
 _DW_TILES_INTERPRETED = (16, 32, 16, 4, 4, 1)
 _DW_OP = "lce.sft_dweight"  # its launch's name in tma.last_decision
 
@@ -228,7 +238,10 @@ def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: tor
     """d_w = round(g * (dl^T @ hidden2d)) for 16-bit inputs, one launch of ``lce_dweight_kernel``."""
     N, H = hidden2d.shape
     V = d_w.shape[0]
-    bv, bh, bk, group, warps, stages = _DW_TILES_INTERPRETED if _tma.interpreter_active() else DW_TILES
+    if _tma.interpreter_active():
+        bv, bh, bk, group, warps, stages = _DW_TILES_INTERPRETED
+    else:
+        bv, bh, bk, group, warps, stages = DW_TILES if H % DW_TILES[1] == 0 else DW_TILES_NARROW
     d = _tma.decide(tma, {"dlogits": (dl, (bk, bv)), "hidden": (hidden2d, (bk, bh)), "dweight": (d_w, (bv, bh))},
                     op=_DW_OP)
     lce_dweight_kernel[(cdiv(V, bv) * cdiv(H, bh),)](
