@@ -15,6 +15,7 @@ def main() -> int:
 
     from benchmarks.compile_moe_sm90 import _ptxas_stats, _signature
     from hopperkern.lce import _kernels as K
+    from hopperkern.lce import sft
     from hopperkern.lce.sft import store_z_config
     from hopperkern.tuning import KernelConfig
     from hopperkern.matmul import _matmul_kernel
@@ -34,7 +35,7 @@ def main() -> int:
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
 
     N, V, H = 8192, 128256, 4096
-    tiles = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)]
+    tiles = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3)]
     for bn, bv, bk, w, st in tiles:
         for tma in (False, True):
             for fl in (False, True):
@@ -80,12 +81,13 @@ def main() -> int:
                       z_loss=0.0, softcap=30.0, inv_temp=1.0),
                  dict(BLOCK_N=32, BLOCK_V=256, SOFTCAP=softcap, Z_TMA=tma, D_TMA=tma), 4, 1)
     for tma in (False, True):
-        comp(f"lce_sft_fixup 32x256 tma={int(tma)}", K.lce_sft_fixup_kernel,
+        bn, bv = sft._FIXUP_BLOCKS  # the shipped tiles
+        comp(f"lce_sft_fixup {bn}x{bv} tma={int(tma)}", K.lce_sft_fixup_kernel,
              dict(d_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32",
                   scale_ptr="fp32", N=512, V=V, stride_dn=V, stride_mt=1024, ignore_index=-100,
                   label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
-             dict(BLOCK_N=32, BLOCK_V=256, FWD_BLOCK_V=256, D_TMA=tma), 4, 1)
-    for bv, bh, bk, w, st in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3)]:
+             dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, D_TMA=tma), 4, 1)
+    for bv, bh, bk, _, w, st in [sft.DW_TILES, sft.DW_TILES_NARROW, (128, 128, 64, 8, 8, 4)]:
         for tma in (False, True):
             comp(f"lce_dweight {bv}x{bh}x{bk} w{w} s{st} tma={int(tma)}", K.lce_dweight_kernel,
                  dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="bf16", N=8192, V=V, H=H, stride_dn=V,

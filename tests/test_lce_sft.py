@@ -36,7 +36,7 @@ from test_lce import (
 )
 from hopperkern import lce, tma
 from hopperkern.lce import reference as ref
-from hopperkern.lce import sft
+from hopperkern.lce import launch, sft
 from hopperkern.lce.ops import lce_sft_backward_op, lce_sft_forward_op
 from hopperkern.tuning import KernelConfig
 
@@ -97,8 +97,15 @@ def test_3pass_token_chunks(mode, monkeypatch):
     assert calls == [16, 16, 5]
 
 
+def _case(name):
+    return next(c for c in CASES + CONFIDENT_CASES if c.name == name)
+
+
+NO_SOFTCAP = _case("all-but-softcap/sum")
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CASES[:3] + CONFIDENT_CASES, **IDS)
+@pytest.mark.parametrize("case", CASES[:2] + [NO_SOFTCAP] + CONFIDENT_CASES, **IDS)
 def test_3pass_fp16_no_worse_than_torch(case, mode):
     """fp16 loss and grads within 2x plain PyTorch's fp16 error of fp64, also for confident predictions (the label
     entry formed in fp32 from the log-prob, the upstream grad applied in fp32 after the GEMM, one rounding each).
@@ -116,7 +123,7 @@ def test_3pass_fp16_no_worse_than_torch(case, mode):
 def test_3pass_fp16_strided_hidden(layout):
     """fp16 with a strided hidden view: lce_dweight_kernel reads it with its strides ("auto": pointer loads for a
     transposed view, TMA for an aligned slice) and d_weight stays within 2x torch's error."""
-    case = CASES[2]
+    case = NO_SOFTCAP
     inp = case.inputs(dtype=torch.float16)
     inp.hidden = layout.make(inp.hidden)
     check_no_worse("auto", case.fn(lce.linear_cross_entropy, tma="auto", **THREE), case.fn(ref.linear_cross_entropy),
@@ -127,7 +134,7 @@ def test_3pass_fp16_strided_hidden(layout):
 
 @pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CONFIDENT_CASES[2]], **IDS)
+@pytest.mark.parametrize("case", [CASES[1], NO_SOFTCAP, CONFIDENT_CASES[2]], **IDS)
 def test_3pass_bf16_no_worse_than_torch(case, mode):
     """bf16 (conftest's interpreter patch): loss and grads within 2x plain PyTorch's bf16 error of fp64."""
     check_no_worse(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE), case.fn(ref.linear_cross_entropy),
@@ -285,6 +292,77 @@ def test_memory_rule_on_real_shapes(N, H, V, fits, three):
     if fits:  # the chunk takes only what the budget leaves beside the kept d(logits)
         assert N * sft.padded_cols(V) * 2 + min(N, sft.chunk_rows(V, 128, chunk)) * sft.padded_cols(V) * 4 <= \
             max(sft.budget_bytes(V, H), N * sft.padded_cols(V) * 2 + sft.LOGITS_CHUNK_BUDGET)
+
+
+@pytest.mark.parametrize("N, H, V, three", [
+    (8192, 4096, 128256, True), (1937, 3584, 152064, False), (2169, 896, 151936, False), (4096, 4096, 128256, True),
+    (32768, 4096, 128256, False)])
+def test_memory_rule_with_fp32_logits(N, H, V, three):
+    """Where the forward keeps fp32 logit chunks (softcap, fp16), "auto" takes the 3-pass path from
+    MIN_TOKENS_FP32_LOGITS tokens, and the chunk counts in its memory."""
+    assert sft.use_3pass("auto", N, V, H, 2, logits=True) is three
+    assert three == (N >= sft.MIN_TOKENS_FP32_LOGITS and
+                     sft.extra_bytes(N, V, H, 2, logits=True) <= sft.budget_bytes(V, H))
+    assert sft.extra_bytes(N, V, H, 2, logits=True) >= N * sft.padded_cols(V) * 2 + sft.LOGITS_CHUNK_BUDGET
+    assert sft.fp32_logits(torch.float16, None) and sft.fp32_logits(torch.bfloat16, 30.0)
+    assert not sft.fp32_logits(torch.bfloat16, None) and not sft.fp32_logits(torch.float32, 0.0)
+
+
+@pytest.mark.parametrize("dtype, softcap, stores_exp", [
+    (torch.float32, None, True), (torch.float32, 3.0, False), (torch.float16, None, False),
+    pytest.param(torch.bfloat16, None, True, marks=pytest.mark.skipif(not _BF16_OK, reason="interpreter bf16")),
+])
+def test_3pass_forward_variant(dtype, softcap, stores_exp):
+    """Which 3-pass forward runs: the stored exponentials (a third TMA operand of the forward, and a d(logits)
+    kernel over that one buffer) for bf16 and fp32 without softcap; fp32 logit chunks with softcap or fp16."""
+    inp = make_inputs(SMALL, dtype=dtype)
+    h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
+    with expect_path("always", sft=True):
+        lce.linear_cross_entropy(h, w, inp.labels, tma="always", softcap=softcap, **THREE).backward()
+    assert ("exp_logits" in tma.last_decision(FWD).use) is stores_exp
+    assert set(tma.last_decision(SFT).use) == ({"dlogits"} if stores_exp else {"logits", "dlogits"})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_3pass_exponentials_with_vocab_splits(mode, monkeypatch):
+    """The stored exponentials under a forced config (block_n=16: 7 vocab tiles) and 3 vocab splits (3, 3, 1
+    tiles): every split restarts its running max, each tile's max lands at mt[n, tile], and the fix-up gives the
+    reference's loss and grads (fp32, every option but softcap)."""
+    cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    asked = []
+    monkeypatch.setattr(sft, "pick_config", lambda *args: cfg)
+    monkeypatch.setattr(launch, "forward_plan", lambda *args: asked.append(args) or (3, 3))
+    case = NO_SOFTCAP
+    check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE), case.fn(ref.linear_cross_entropy),
+               case.inputs(), case.ups(), path=dict(sft=True))
+    assert asked, "the forward must take its splits from forward_plan"
+
+
+def test_store_arguments_are_checked():
+    """lce_forward's z_out / e_out: exclusive, only with pick_label, the documented dtypes and shapes, and enough
+    per-tile maxima for the config's vocab tiles; ValueError or TypeError before any launch."""
+    inp = make_inputs(SMALL)
+    N, V = SMALL[0], SMALL[1]
+    opts = launch.LceOptions(tma="never")
+    cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    e = torch.empty((N, sft.padded_cols(V)))
+    mt = torch.empty((N, 5))  # V = 70 needs 5 tiles of 16
+    z = torch.empty((N, sft.padded_cols(V)))
+    args = (inp.hidden, inp.weight, inp.labels, None, opts)
+    bad = [(dict(z_out=z, e_out=(e, mt)), ValueError, "exclusive"),
+           (dict(e_out=(e, mt), pick_label=False), ValueError, "pick_label=True"),
+           (dict(e_out=(e.half(), mt)), TypeError, "e_out[0] (e) must be torch.float32"),
+           (dict(e_out=(e, mt.double())), TypeError, "mt"),
+           (dict(e_out=(e[:, :V - 1], mt)), ValueError, ">= V=70"),
+           (dict(e_out=(e, mt[:, :4])), ValueError, "at least 5 columns"),
+           (dict(z_out=z.half()), TypeError, "z_out must be torch.float32"),
+           (dict(e_out=[e, mt]), TypeError, "tuple (e, mt)")]
+    for kwargs, err, match in bad:
+        before = tma.decision_count(FWD)
+        with pytest.raises(err, match=re.escape(match)):
+            launch.lce_forward(*args, config=cfg, need_entropy=False, **kwargs)
+        assert tma.decision_count(FWD) == before, kwargs
+    launch.lce_forward(*args, config=cfg, need_entropy=False, e_out=(e, mt))  # the good one runs
 
 
 def test_store_z_config():

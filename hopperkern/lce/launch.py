@@ -178,7 +178,7 @@ class _ForwardPlan(Plan):
     decision, vocab splits, and the three launches (label logit when not picked, forward, combine)."""
 
     __slots__ = ("decision", "stat_rows", "stat_at", "stat_bytes", "direct_layout", "need_t", "need_sumz", "label",
-                 "forward", "combine")
+                 "forward", "combine", "num_vt")
 
 
 _FORWARD_PLANS = PlanCache("lce.forward")
@@ -223,6 +223,7 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     d = _tma.decide(opts.tma, operands, op="lce.forward", record=False)
     plan.decision = d
     S, tps = forward_plan(N, V, cfg, _sm_count(dev))
+    plan.num_vt = cdiv(V, cfg.block_n)
     need_sumz = opts.label_smoothing > 0
     plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if pick_label else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
@@ -318,8 +319,12 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
             _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # as any call would under the interpreter
         f32 = dict(dtype=torch.float32, device=dev)
         return tuple(torch.zeros(0, **f32) for _ in range(4))
+    _check_store(hidden2d, weight, z_out, e_out, pick_label)
     plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
                             config=config, z_out=z_out, e_out=e_out)
+    if e_out is not None and e_out[1].shape[1] < plan.num_vt:
+        raise ValueError(f"lce_forward: mt must have at least {plan.num_vt} columns (vocab tiles of the config's "
+                         f"block_n), got {e_out[1].shape[1]}")
     store = _store_args(z_out, e_out)
     if plan.interpreted:
         _tma.check_interpreter(hidden2d.dtype, "lce.forward")
@@ -356,11 +361,34 @@ def _outputs(N: int, dev, shared: bool):
 
 def _store_args(z_out, e_out):
     """The forward kernel's (z, mt) tensors for a store of the logits or their exponentials; None for no store."""
-    if z_out is not None:
-        if e_out is not None:
-            raise ValueError("lce_forward: z_out and e_out are exclusive")
-        return z_out, z_out
-    return e_out
+    return (z_out, z_out) if z_out is not None else e_out
+
+
+def _check_store(hidden2d, weight, z_out, e_out, pick_label: bool) -> None:
+    """ValueError / TypeError for a ``z_out`` or ``e_out`` that the forward kernel could not write as documented."""
+    if z_out is None and e_out is None:
+        return
+    if z_out is not None and e_out is not None:
+        raise ValueError("lce_forward: z_out and e_out are exclusive")
+    if not pick_label:
+        raise ValueError("lce_forward: z_out / e_out need pick_label=True (a backward follows)")
+    N, V = hidden2d.shape[0], weight.shape[0]
+    if e_out is not None:
+        if not (isinstance(e_out, tuple) and len(e_out) == 2):
+            raise TypeError("lce_forward: e_out must be a tuple (e, mt)")
+        e, mt = e_out
+        check_dtype("e_out[1] (mt)", mt, (torch.float32,))
+        if mt.dim() != 2 or mt.shape[0] < N or (mt.shape[1] > 1 and mt.stride(1) != 1):
+            raise ValueError(f"lce_forward: mt must be [>= N={N}, tiles] with unit column stride, got shape "
+                             f"{tuple(mt.shape)} and strides {tuple(mt.stride())}")
+        want, what = hidden2d.dtype, "e_out[0] (e)"
+    else:
+        e, want, what = z_out, torch.float32, "z_out"
+    if e.dtype != want:
+        raise TypeError(f"lce_forward: {what} must be {want}, got {e.dtype}")
+    if e.dim() != 2 or e.shape[0] < N or e.shape[1] < V or e.stride(1) != 1:
+        raise ValueError(f"lce_forward: {what} must be [>= N={N}, >= V={V}] with unit column stride, got shape "
+                         f"{tuple(e.shape)} and strides {tuple(e.stride())}")
 
 
 def _forward_direct(plan: _ForwardPlan, stream: int, hidden2d, weight, b_arg, labels1d, store, shared_out: bool):

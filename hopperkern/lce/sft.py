@@ -5,30 +5,34 @@ scalar factor g at the end of the forward. So the forward can form d(logits) its
 is two GEMMs: three passes over the vocab (logits, d_hidden, d_weight) instead of the 4-pass path's four (logits;
 then, in :func:`.launch.lce_backward`, the logits again, d_hidden and d_weight).
 
-Forward (:func:`lce_sft_forward`), without softcap: one :func:`.launch.lce_forward` over all N tokens with
-``e_out`` computes the statistics and writes, for every logit, e = exp(z - m) (m the row's running max after its
-vocab tile, kept per tile in fp32) into the [N, V] buffer kept for the backward, in the inputs' dtype. Once the
-combine gives the LSE and the label's fp32 log-prob, ``lce_sft_fixup_kernel`` turns e into d(logits) in place,
-with p = e exp(m - lse) formed in fp32, for an upstream gradient of 1 (sum) or 1 / kept tokens (mean, read from
-the device: no host sync), rounded once more. e has the relative precision of the inputs' dtype at every
-magnitude (bf16: 2^-9), where rounded logits would put errors of ulp(z) into p; d(logits) is thus within two
-roundings of the exact value rather than one, which the GPU tests bound against fp64 and fp32 torch.
+Forward (:func:`lce_sft_forward`) of bf16 or fp32 inputs without softcap: one :func:`.launch.lce_forward` over
+all N tokens with ``e_out`` computes the statistics and writes, for every logit, e = exp(z - m) (m the row's running
+max after its vocab tile, kept per tile in fp32) into the [N, V] buffer kept for the backward, in the inputs'
+dtype. Once the combine gives the LSE and the label's fp32 log-prob, ``lce_sft_fixup_kernel`` turns e into
+d(logits) in place, with p = e exp(m - lse) formed in fp32, for an upstream gradient of 1 (sum) or 1 / kept tokens
+(mean, read from the device: no host sync), rounded once more. bf16 and fp32 keep e's relative precision at every
+magnitude (bf16: 2^-9 down to 1e-38), where rounded logits would put errors of ulp(z) into p; in bf16 d(logits) is
+thus within two roundings of the exact value rather than one, which the GPU tests bound against fp64 and torch.
 
-With softcap the gradient also needs each logit itself (the tanh factor), so the forward runs per chunk of C
-tokens with ``z_out`` instead: it writes the chunk's final fp32 logits to a [C, V] scratch buffer, from which
+With fp32 logits instead (:func:`fp32_logits`): with softcap, whose tanh factor needs each logit itself, and for
+fp16 inputs, whose e would lose its relative precision below 6.1e-5 (fp16's smallest normal), the forward runs per
+chunk of C tokens with ``z_out``: it writes the chunk's final fp32 logits to a [C, V] scratch buffer, from which
 ``lce_sft_dlogits_kernel`` forms d(logits), rounded once.
 
 Backward (:func:`lce_sft_backward`), g the 0-dim upstream gradient on the device:
 ``d_hidden = round(g * (dl @ w))`` and ``d_weight = round(g * (dl^T @ h))``, each one GEMM over its whole K dim
-with fp32 accumulation and fp32 output (cuBLAS ``out_dtype``), scaled by g in fp32 and rounded once (no second
-rounding when g != 1: loss scaling, 1/k gradient accumulation). d_weight goes through vocab slices of at most
-``DW_SLICE_BUDGET`` fp32 bytes.
+with fp32 accumulation, g applied to the fp32 sum and one rounding (no second rounding when g != 1: loss scaling,
+1/k gradient accumulation). d_hidden: cuBLAS with fp32 output, then g. d_weight of 16-bit inputs:
+``lce_dweight_kernel``, g in its epilogue; of fp32 inputs: cuBLAS in vocab slices of at most ``DW_SLICE_BUDGET``
+fp32 bytes.
 
-Memory rule (``sft_path="auto"``): the 3-pass path runs when its extra memory, :func:`extra_bytes` (the kept
-d(logits), N x V in the inputs' dtype, and the per-tile maxima, plus the larger of the forward's logits chunk
-(softcap only) and the backward's fp32 d_hidden and d_weight slice), is at most :func:`budget_bytes` = V x H x 4 bytes (an fp32 copy of the weight) +
-``EXTRA_BUDGET`` (512 MiB). Otherwise, and always for ``reduction="none"``, per-token outputs
-(``linear_logprobs_entropy``) and vocab-parallel calls, the 4-pass path runs (extra memory O(N H) + 128 MiB).
+Memory rule (``sft_path="auto"``): the 3-pass path runs from ``MIN_TOKENS_3PASS`` tokens (``MIN_TOKENS_FP32_LOGITS``
+where the forward keeps fp32 logits) when its extra memory, :func:`extra_bytes` (the kept d(logits), N x V in the
+inputs' dtype, plus the larger of the forward's scratch (the per-tile maxima, or the fp32 logits chunk) and the
+backward's fp32 d_hidden (and, for fp32 inputs, d_weight slice)), is at most :func:`budget_bytes` = V x H x 4
+bytes (an fp32 copy of the weight) + ``EXTRA_BUDGET`` (512 MiB). Otherwise, and always for ``reduction="none"``,
+per-token outputs (``linear_logprobs_entropy``) and vocab-parallel calls, the 4-pass path runs (extra memory
+O(N H) + 128 MiB).
 """
 
 from __future__ import annotations
@@ -42,16 +46,19 @@ from ..tuning import KernelConfig
 from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
-__all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
-           "extra_bytes", "budget_bytes", "store_z_config", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
+__all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
+           "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
 
 SFT_PATHS = ("auto", "3pass", "4pass")
 EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
-# "auto" takes the 3-pass path from this many tokens. Measured on the H200 (bf16, sum loss, one run): the 3-pass
-# path took 0.81x the 4-pass path's time at 1937 x 3584 x 152064 and 1.01x at 2169 x 896 x 151936 (before its
-# d_weight tiles for H = 896, which save ~5 % there); 0.77-0.79x at 8192 and 16384 tokens. Fewer tokens are
-# not measured, so they keep the 4-pass path.
+# "auto" takes the 3-pass path from this many tokens. Measured on the H200 (bf16, sum loss, two runs): the 3-pass
+# path took 0.81-0.83x the 4-pass path's time at 1937 x 3584 x 152064 and 0.93x at 2169 x 896 x 151936; 0.76-0.78x
+# at 8192 and 16384 tokens. The threshold sits below the smallest measured size; fewer than 1536 tokens are not
+# measured and keep the 4-pass path.
 MIN_TOKENS_3PASS = 1536
+# The same where the forward keeps fp32 logits (softcap, fp16): its token chunks took 1.17x and 1.43x the 4-pass
+# path's time at those two ~2k-token shapes, 0.83-0.90x from 8192 tokens (H200, bf16, one run).
+MIN_TOKENS_FP32_LOGITS = 4096
 LOGITS_CHUNK_BUDGET = 256 * 2**20  # bytes of the forward's fp32 [C, V] logits of one token chunk, at least
 LOGITS_CHUNK_MAX = 2**30  # and at most: a chunk takes what the memory budget leaves beside the kept d(logits)
 DW_SLICE_BUDGET = 32 * 2**20  # bytes of the backward's fp32 [Vs, H] d_weight slice (small enough to stay in L2)
@@ -91,16 +98,23 @@ def _max_tiles(V: int) -> int:
     return cdiv(V, 64)
 
 
-def extra_bytes(N: int, V: int, H: int, elem: int, *, softcap: bool = False) -> int:
-    """Peak extra memory of the 3-pass path beyond its inputs and gradients (``elem``: bytes per input element):
-    the kept d(logits) plus the larger of the forward's scratch (the per-tile maxima, see :func:`_max_tiles`; with
-    ``softcap`` the fp32 logits chunk) and the backward's fp32 scratch."""
+def fp32_logits(dtype: torch.dtype, softcap) -> bool:
+    """Whether the 3-pass forward keeps fp32 logits per token chunk rather than the exponentials: with softcap
+    (the tanh factor needs each logit) and for fp16 inputs (fp16 e loses its relative precision below 6.1e-5)."""
+    return bool(softcap) or dtype == torch.float16
+
+
+def extra_bytes(N: int, V: int, H: int, elem: int, *, logits: bool = False) -> int:
+    """Peak extra memory of the 3-pass path beyond its inputs and gradients (``elem``: bytes per input element;
+    ``logits``: :func:`fp32_logits` of the call): the kept d(logits) plus the larger of the forward's scratch (the
+    per-tile maxima, see :func:`_max_tiles`, or the fp32 logits chunk) and the backward's fp32 scratch (d_hidden,
+    and for fp32 inputs a d_weight slice)."""
     ld = padded_cols(V)
-    if softcap:
+    if logits:
         forward = min(N, chunk_rows(V, 128, chunk_bytes(N, V, H, elem))) * ld * 4
     else:
         forward = N * _max_tiles(V) * 4
-    backward = N * H * 4 + _slice_rows(V, H) * H * 4
+    backward = N * H * 4 + (_slice_rows(V, H) * H * 4 if elem == 4 else 0)
     return N * ld * elem + max(forward, backward)
 
 
@@ -118,13 +132,15 @@ def check_sft_path(sft_path, reduction: str, *, sharded: bool = False) -> None:
                          "sum and mean losses of an unsharded head)")
 
 
-def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int, *, softcap: bool = False) -> bool:
+def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int, *, logits: bool = False) -> bool:
     """Whether a differentiable sum/mean call takes the 3-pass path: ``"3pass"`` always, ``"4pass"`` never,
-    ``"auto"`` when N >= ``MIN_TOKENS_3PASS`` and :func:`extra_bytes` <= :func:`budget_bytes`."""
+    ``"auto"`` when N >= ``MIN_TOKENS_3PASS`` (``MIN_TOKENS_FP32_LOGITS`` with ``logits``, :func:`fp32_logits` of
+    the call) and :func:`extra_bytes` <= :func:`budget_bytes`."""
     check_choice("sft_path", sft_path, SFT_PATHS)
     if sft_path != "auto":
         return sft_path == "3pass"
-    return N >= MIN_TOKENS_3PASS and extra_bytes(N, V, H, elem, softcap=softcap) <= budget_bytes(V, H)
+    least = MIN_TOKENS_FP32_LOGITS if logits else MIN_TOKENS_3PASS
+    return N >= least and extra_bytes(N, V, H, elem, logits=logits) <= budget_bytes(V, H)
 
 
 _STORE_Z_TILE = 128 * 128  # BLOCK_N x BLOCK_V from which a forward that stores its logits is re-tiled
@@ -162,8 +178,8 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     """``(loss, dlogits)``: the fp32 sum (or mean over kept tokens, 0.0 when none is kept) of the per-token loss
     of :func:`.launch.lce_forward`, and d loss / d (h @ w^T + b) as a [N, padded_cols(V)] buffer in the inputs'
     dtype (columns >= V unused), for an upstream gradient of 1 on ``loss``. Inputs must be validated already.
-    Extra memory: the returned buffer plus the fp32 per-tile maxima [N, V / block_n], or with softcap an fp32
-    [C, padded_cols(V)] logits chunk (:func:`chunk_bytes`)."""
+    Extra memory: the returned buffer plus the fp32 per-tile maxima [N, V / block_n], or where
+    :func:`fp32_logits` an fp32 [C, padded_cols(V)] logits chunk (:func:`chunk_bytes`)."""
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")
     N = hidden2d.shape[0]
     V, H = weight.shape
@@ -175,14 +191,14 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
     # The upstream gradient of each kept token's loss, on the device (no host sync): 1 / kept tokens for "mean".
     scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
-    store = _forward_logits if opts.softcap else _forward_exp
+    store = _forward_logits if fp32_logits(hidden2d.dtype, opts.softcap) else _forward_exp
     total = store(hidden2d, weight, labels1d, bias, opts, dl, scale, config)
     return (total / count if mean else total), dl
 
 
 def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config) -> torch.Tensor:
     """The sum of the per-token losses, with d(logits) written to ``dl``: per token chunk, a forward that stores
-    its fp32 logits, then d(logits) from them (any options; softcap's tanh factor needs the logits)."""
+    its fp32 logits, then d(logits) from them (any dtype and options; softcap's tanh factor needs the logits)."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     cfg = config or store_z_config(pick_config("forward", hidden2d.dtype, N, H, hidden2d.device))
@@ -207,7 +223,7 @@ def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scal
 
 def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config) -> torch.Tensor:
     """The sum of the per-token losses, with d(logits) written to ``dl``: one forward over all tokens that stores
-    the exponentials, then the in-place fix-up (no softcap)."""
+    the exponentials, then the in-place fix-up (bf16 or fp32, no softcap)."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     cfg = config or pick_config("forward", hidden2d.dtype, N, H, hidden2d.device)
