@@ -394,6 +394,33 @@ def lce_onehot_kernel(
 
 
 @triton.jit
+def _sft_rows(row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_index, label_smoothing, z_loss,
+              BLOCK_N: tl.constexpr):
+    """Per-row inputs of a 3-pass d(logits) tile: rows, row_ok, labels, kept, lse, logp (the forward's fp32 log-prob
+    of the label) and the (A, C, D) terms of an upstream gradient ``scale`` on every kept token's loss."""
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    kept = row_ok & (labels != ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
+    gl = tl.where(kept, tl.load(scale_ptr), 0.0)
+    a, c, d = _loss_coefficients(gl, lse, label_smoothing, z_loss, V)
+    return rows, row_ok, labels, kept, lse, logp, a, c, d
+
+
+@triton.jit
+def _sft_dz(p, z, col0, labels, kept, logp, a, c, d, softcap, inv_temp, BLOCK_V: tl.constexpr,
+            SOFTCAP: tl.constexpr):
+    """dz = (p A + C [j == label] + D) / T (* (1 - tanh^2)) of a 3-pass tile in fp32, with p at the label taken
+    from the fp32 log-prob (so that p - 1 of a confident prediction keeps its precision)."""
+    at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
+    p = tl.where(at_label, tl.exp(logp)[:, None], p)
+    d_t = (d * inv_temp)[:, None] + tl.where(at_label, (c * inv_temp)[:, None], 0.0)
+    return _dz(p, z, (a * inv_temp)[:, None], 0.0, d_t, softcap, inv_temp, SOFTCAP)
+
+
+@triton.jit
 def lce_sft_dlogits_kernel(
     z_ptr,  # [N, ld_z] fp32 final logits, stored by lce_forward_kernel (STORE_Z)
     labels_ptr,  # [N] int
@@ -414,21 +441,13 @@ def lce_sft_dlogits_kernel(
     """
     row0 = tl.program_id(0) * BLOCK_N
     col0 = tl.program_id(1) * BLOCK_V
-    rows = row0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
-    kept = row_ok & (labels != ignore_index)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
-    gl = tl.where(kept, tl.load(scale_ptr), 0.0)
-    a, c, d = _loss_coefficients(gl, lse, label_smoothing, z_loss, V)
+    rows, row_ok, labels, kept, lse, logp, a, c, d = _sft_rows(
+        row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_index, label_smoothing, z_loss, BLOCK_N)
     z_src = tile_source_2d(z_ptr, N, V, stride_zn, BLOCK_N, BLOCK_V, Z_TMA)
     d_dst = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
     z = load_2d(z_src, row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, Z_TMA)
-    at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
-    p = tl.where(at_label, tl.exp(logp)[:, None], tl.exp(z - lse[:, None]))
-    d_t = (d * inv_temp)[:, None] + tl.where(at_label, (c * inv_temp)[:, None], 0.0)
-    dz = _dz(p, z, (a * inv_temp)[:, None], 0.0, d_t, softcap, inv_temp, SOFTCAP)
+    dz = _sft_dz(tl.exp(z - lse[:, None]), z, col0, labels, kept, logp, a, c, d, softcap, inv_temp, BLOCK_V,
+                 SOFTCAP)
     # Rows >= N and columns >= V (zeros read there) are clipped by the store on both paths.
     store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)
 
@@ -455,20 +474,13 @@ def lce_sft_fixup_kernel(
     tl.static_assert(FWD_BLOCK_V % BLOCK_V == 0, "a fixup tile must lie within one forward vocab tile")
     row0 = tl.program_id(0) * BLOCK_N
     col0 = tl.program_id(1) * BLOCK_V
-    rows = row0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
-    kept = row_ok & (labels != ignore_index)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
+    rows, row_ok, labels, kept, lse, logp, a, c, d = _sft_rows(
+        row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_index, label_smoothing, z_loss, BLOCK_N)
     mt = tl.load(mt_ptr + rows.to(tl.int64) * stride_mt + col0 // FWD_BLOCK_V, mask=row_ok, other=0.0)
-    gl = tl.where(kept, tl.load(scale_ptr), 0.0)
-    a, c, d = _loss_coefficients(gl, lse, label_smoothing, z_loss, V)
     d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
     e = load_2d(d_src, row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA).to(tl.float32)
-    at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
-    p = tl.where(at_label, tl.exp(logp)[:, None], e * tl.exp(mt - lse)[:, None])
-    dz = p * (a * inv_temp)[:, None] + (d * inv_temp)[:, None] + tl.where(at_label, (c * inv_temp)[:, None], 0.0)
+    dz = _sft_dz(e * tl.exp(mt - lse)[:, None], 0.0, col0, labels, kept, logp, a, c, d, 1.0, inv_temp, BLOCK_V,
+                 False)
     # Rows >= N and columns >= V are clipped by the store on both paths.
     store_2d(d_src, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)
 
