@@ -48,8 +48,9 @@ CASES = [
     Case("plain/mean", "no options; mean over all tokens (1/N folded into d(logits) from the device)"),
     Case("all/mean", "every option + bias + ignored tokens; 1/kept from the device", ALL, bias=True, ignore=0.3),
     Case("all/sum", "every option + bias + ignored tokens; sum", ALL, bias=True, ignore=0.3, reduction="sum"),
-    Case("all-but-softcap/sum", "every option but softcap + bias + ignored tokens: the stored exponentials' path",
-         dict(ALL, softcap=None), bias=True, ignore=0.3, reduction="sum"),
+    Case("z-loss+temperature/sum", "z-loss, temperature, bias, ignored tokens: the stored exponentials' path (no "
+         "softcap, no label smoothing)", dict(ALL, softcap=None, label_smoothing=0.0), bias=True, ignore=0.3,
+         reduction="sum"),
     Case("ignore_index=5", "an ignore_index inside [0, V): its column is no label for ignored rows",
          dict(ignore_index=5), ignore=0.3, reduction="sum"),
 ]
@@ -101,7 +102,7 @@ def _case(name):
     return next(c for c in CASES + CONFIDENT_CASES if c.name == name)
 
 
-NO_SOFTCAP = _case("all-but-softcap/sum")
+NO_SOFTCAP = _case("z-loss+temperature/sum")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -305,20 +306,24 @@ def test_memory_rule_with_fp32_logits(N, H, V, three):
                      sft.extra_bytes(N, V, H, 2, logits=True) <= sft.budget_bytes(V, H))
     assert sft.extra_bytes(N, V, H, 2, logits=True) >= N * sft.padded_cols(V) * 2 + sft.LOGITS_CHUNK_BUDGET
     assert sft.fp32_logits(torch.float16, None) and sft.fp32_logits(torch.bfloat16, 30.0)
-    assert not sft.fp32_logits(torch.bfloat16, None) and not sft.fp32_logits(torch.float32, 0.0)
+    assert sft.fp32_logits(torch.bfloat16, None, 0.1)
+    assert not sft.fp32_logits(torch.bfloat16, None) and not sft.fp32_logits(torch.float32, 0.0, 0.0)
 
 
-@pytest.mark.parametrize("dtype, softcap, stores_exp", [
-    (torch.float32, None, True), (torch.float32, 3.0, False), (torch.float16, None, False),
-    pytest.param(torch.bfloat16, None, True, marks=pytest.mark.skipif(not _BF16_OK, reason="interpreter bf16")),
+@pytest.mark.parametrize("dtype, softcap, smoothing, stores_exp", [
+    (torch.float32, None, 0.0, True), (torch.float32, 3.0, 0.0, False), (torch.float32, None, 0.1, False),
+    (torch.float16, None, 0.0, False),
+    pytest.param(torch.bfloat16, None, 0.0, True, marks=pytest.mark.skipif(not _BF16_OK, reason="interpreter bf16")),
 ])
-def test_3pass_forward_variant(dtype, softcap, stores_exp):
+def test_3pass_forward_variant(dtype, softcap, smoothing, stores_exp):
     """Which 3-pass forward runs: the stored exponentials (a third TMA operand of the forward, and a d(logits)
-    kernel over that one buffer) for bf16 and fp32 without softcap; fp32 logit chunks with softcap or fp16."""
+    kernel over that one buffer) for bf16 and fp32 without softcap or label smoothing; fp32 logit chunks with
+    softcap, label smoothing or fp16."""
     inp = make_inputs(SMALL, dtype=dtype)
     h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
     with expect_path("always", sft=True):
-        lce.linear_cross_entropy(h, w, inp.labels, tma="always", softcap=softcap, **THREE).backward()
+        lce.linear_cross_entropy(h, w, inp.labels, tma="always", softcap=softcap, label_smoothing=smoothing,
+                                 **THREE).backward()
     assert ("exp_logits" in tma.last_decision(FWD).use) is stores_exp
     assert set(tma.last_decision(SFT).use) == ({"dlogits"} if stores_exp else {"logits", "dlogits"})
 
@@ -327,7 +332,7 @@ def test_3pass_forward_variant(dtype, softcap, stores_exp):
 def test_3pass_exponentials_with_vocab_splits(mode, monkeypatch):
     """The stored exponentials under a forced config (block_n=16: 7 vocab tiles) and 3 vocab splits (3, 3, 1
     tiles): every split restarts its running max, each tile's max lands at mt[n, tile], and the fix-up gives the
-    reference's loss and grads (fp32, every option but softcap)."""
+    reference's loss and grads (fp32, z-loss, temperature and bias)."""
     cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
     asked = []
     monkeypatch.setattr(sft, "pick_config", lambda *args: cfg)

@@ -114,10 +114,10 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             "3pass": the forward also forms d(logits) and keeps it, N x V in the inputs' dtype, until the
             backward, which is then two GEMMs: three passes over the vocab. d(logits) comes from the
             exponentials the forward stores in the inputs' dtype (two roundings of the exact value in bf16, one
-            in fp32), or with softcap or fp16 inputs from fp32 logits (one rounding). "4pass": the
+            in fp32), or with softcap, label smoothing or fp16 inputs from fp32 logits (one rounding). "4pass": the
             backward recomputes the logits (four passes; extra memory O(N H) + 128 MiB). "auto" (default) takes
-            "3pass" from ``sft.MIN_TOKENS_3PASS`` tokens (1536; ``sft.MIN_TOKENS_FP32_LOGITS``, 4096, with softcap
-            or fp16) when its extra memory, N x V x itemsize plus scratch (``sft.extra_bytes``), is at most
+            "3pass" from ``sft.MIN_TOKENS_3PASS`` tokens (1536; ``sft.MIN_TOKENS_FP32_LOGITS``, 4096, with softcap,
+            label smoothing or fp16) when its extra memory, N x V x itemsize plus scratch (``sft.extra_bytes``), is at most
             V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass". In fp32 both give the same gradients
             to fp32 rounding and summation order. A call under ``torch.no_grad()`` runs the plain forward either way;
             ``reduction="none"`` and ``process_group`` always take "4pass" ("3pass" raises ValueError there).
@@ -154,7 +154,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             float(temperature), tma)
     if grad and reduction != "none" and process_group is None and sft.use_3pass(
             sft_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.element_size(),
-            logits=sft.fp32_logits(hidden2d.dtype, softcap)):
+            logits=sft.fp32_logits(hidden2d.dtype, softcap, label_smoothing)):
         loss, _ = lce_sft_forward_op(*args, check, reduction == "mean")
         return loss
     loss, _, _, _ = _forward(process_group, grad, *args, False, check)

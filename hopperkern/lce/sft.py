@@ -5,7 +5,7 @@ scalar factor g at the end of the forward. So the forward can form d(logits) its
 is two GEMMs: three passes over the vocab (logits, d_hidden, d_weight) instead of the 4-pass path's four (logits;
 then, in :func:`.launch.lce_backward`, the logits again, d_hidden and d_weight).
 
-Forward (:func:`lce_sft_forward`) of bf16 or fp32 inputs without softcap: one :func:`.launch.lce_forward` over
+Forward (:func:`lce_sft_forward`) of bf16 or fp32 inputs without softcap or label smoothing: one :func:`.launch.lce_forward` over
 all N tokens with ``e_out`` computes the statistics and writes, for every logit, e = exp(z - m) (m the row's running
 max after its vocab tile, kept per tile in fp32) into the [N, V] buffer kept for the backward, in the inputs'
 dtype. Once the combine gives the LSE and the label's fp32 log-prob, ``lce_sft_fixup_kernel`` turns e into
@@ -14,9 +14,10 @@ d(logits) in place, with p = e exp(m - lse) formed in fp32, for an upstream grad
 magnitude (bf16: 2^-9 down to 1e-38), where rounded logits would put errors of ulp(z) into p; in bf16 d(logits) is
 thus within two roundings of the exact value rather than one, which the GPU tests bound against fp64 and torch.
 
-With fp32 logits instead (:func:`fp32_logits`): with softcap, whose tanh factor needs each logit itself, and for
-fp16 inputs, whose e would lose its relative precision below 6.1e-5 (fp16's smallest normal), the forward runs per
-chunk of C tokens with ``z_out``: it writes the chunk's final fp32 logits to a [C, V] scratch buffer, from which
+With fp32 logits instead (:func:`fp32_logits`): with softcap, whose tanh factor needs each logit itself; with label
+smoothing, whose constant term -eps/V nearly cancels p A where p is close to eps/V (a difference formed after e's
+rounding would keep only a fraction of its bits); and for fp16 inputs, whose e would lose its relative precision
+below 6.1e-5 (fp16's smallest normal), the forward runs per chunk of C tokens with ``z_out``: it writes the chunk's final fp32 logits to a [C, V] scratch buffer, from which
 ``lce_sft_dlogits_kernel`` forms d(logits), rounded once.
 
 Backward (:func:`lce_sft_backward`), g the 0-dim upstream gradient on the device:
@@ -98,10 +99,13 @@ def _max_tiles(V: int) -> int:
     return cdiv(V, 64)
 
 
-def fp32_logits(dtype: torch.dtype, softcap) -> bool:
+def fp32_logits(dtype: torch.dtype, softcap, label_smoothing=0.0) -> bool:
     """Whether the 3-pass forward keeps fp32 logits per token chunk rather than the exponentials: with softcap
-    (the tanh factor needs each logit) and for fp16 inputs (fp16 e loses its relative precision below 6.1e-5)."""
-    return bool(softcap) or dtype == torch.float16
+    (the tanh factor needs each logit), with label smoothing (p A - eps/V would be a difference of nearly equal
+    values formed after e's rounding, where p is close to eps/V) and for fp16 inputs (fp16 e loses its relative
+    precision below 6.1e-5). Elsewhere p A + D has no such cancellation (D = 0) and e's one extra rounding is
+    relative."""
+    return bool(softcap) or bool(label_smoothing) or dtype == torch.float16
 
 
 def extra_bytes(N: int, V: int, H: int, elem: int, *, logits: bool = False) -> int:
@@ -191,7 +195,7 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
     # The upstream gradient of each kept token's loss, on the device (no host sync): 1 / kept tokens for "mean".
     scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
-    store = _forward_logits if fp32_logits(hidden2d.dtype, opts.softcap) else _forward_exp
+    store = _forward_logits if fp32_logits(hidden2d.dtype, opts.softcap, opts.label_smoothing) else _forward_exp
     total = store(hidden2d, weight, labels1d, bias, opts, dl, scale, config)
     return (total / count if mean else total), dl
 
@@ -223,7 +227,7 @@ def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scal
 
 def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config) -> torch.Tensor:
     """The sum of the per-token losses, with d(logits) written to ``dl``: one forward over all tokens that stores
-    the exponentials, then the in-place fix-up (bf16 or fp32, no softcap)."""
+    the exponentials, then the in-place fix-up (bf16 or fp32, no softcap, no label smoothing)."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     cfg = config or pick_config("forward", hidden2d.dtype, N, H, hidden2d.device)
