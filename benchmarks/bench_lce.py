@@ -8,10 +8,11 @@ Shapes are N tokens x H hidden x V vocabulary. Floors (cuBLAS bf16, this run): 1
 ``sft`` = sum-loss forward + backward (floor 3G); ``rl`` = log-probs + entropy forward + backward with per-token
 upstream grads (floor 4G). A ratio of 1.0 is as fast as cuBLAS doing only those GEMMs; lower is better.
 
-SFT paths: the ``hopperkern`` provider runs ``sft_path="auto"`` (the 3-pass path where N x V d(logits) fit
-V x H x 4 bytes + 512 MiB, else the 4-pass one); ``hopperkern-3pass`` and ``hopperkern-4pass`` force each path
-on every shape (sft rows only), side by side with their peak extra memory. The CSV's ``sft_path`` column says
-which path each hopperkern sft row ran.
+Gradient paths: the ``hopperkern`` provider runs ``sft_path="auto"`` and ``grad_path="auto"`` (the 3-pass paths
+where N x V d(logits) or exponentials fit V x H x 4 bytes + 512 MiB, the rl one from H = 2048, else the 4-pass
+ones); ``hopperkern-3pass`` and ``hopperkern-4pass`` force each path on every shape (sft and rl rows), side by
+side with their peak extra memory. The CSV's ``sft_path`` column says which path each hopperkern sft or rl row
+ran.
 
 Timing: every provider and every floor is timed with calls enqueued back to back and one synchronisation at the
 end (benchmarks.common.time_cuda(back_to_back=True)), as in a training loop: host work overlaps the previous
@@ -45,9 +46,9 @@ MODES = {  # mode: what one timed call does (the plot's panel titles)
     "rl": "rl: log-probs + entropy, forward + backward (floor 4G = 3G + 1G)",
 }
 PROVIDERS = {  # provider: what it runs (the plot's legend)
-    "hopperkern": "hopperkern, tma='auto' (TMA for every eligible operand); sft: sft_path='auto'",
-    "hopperkern-3pass": "hopperkern, tma='auto', sft_path='3pass' (d(logits) kept from the forward; sft only)",
-    "hopperkern-4pass": "hopperkern, tma='auto', sft_path='4pass' (logits recomputed in the backward; sft only)",
+    "hopperkern": "hopperkern, tma='auto' (TMA for every eligible operand); sft_path / grad_path 'auto'",
+    "hopperkern-3pass": "hopperkern, tma='auto', sft_path / grad_path '3pass' (d(logits) or exponentials kept)",
+    "hopperkern-4pass": "hopperkern, tma='auto', sft_path / grad_path '4pass' (logits recomputed in the backward)",
     "hopperkern-ptr": "hopperkern, tma='never' (pointer loads only)",
     "torch": "torch: h @ w.T, then F.cross_entropy / log_softmax on fp32 logits",
     "torch.compile": "torch.compile of the torch provider",
@@ -60,12 +61,12 @@ RATIO_TOP = 3.0  # the plot's y limit: taller bars are cut there and labelled wi
 def _providers(compile_ok: bool):
     from hopperkern import lce
 
-    def hk(tma, sft_path="auto"):
+    def hk(tma, path="auto"):
         def sft(h, w, y):
-            return lce.linear_cross_entropy(h, w, y, reduction="sum", tma=tma, sft_path=sft_path)
+            return lce.linear_cross_entropy(h, w, y, reduction="sum", tma=tma, sft_path=path)
 
         def rl(h, w, y):
-            return lce.linear_logprobs_entropy(h, w, y, tma=tma)
+            return lce.linear_logprobs_entropy(h, w, y, tma=tma, grad_path=path)
 
         return sft, rl
 
@@ -76,8 +77,8 @@ def _providers(compile_ok: bool):
         logp = torch.log_softmax((h @ w.T).float(), -1)
         return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
-    provs = {"hopperkern": hk("auto"), "hopperkern-3pass": (hk("auto", "3pass")[0], None),
-             "hopperkern-4pass": (hk("auto", "4pass")[0], None), "hopperkern-ptr": hk("never"),
+    provs = {"hopperkern": hk("auto"), "hopperkern-3pass": hk("auto", "3pass"), "hopperkern-4pass": hk("auto", "4pass"),
+             "hopperkern-ptr": hk("never"),
              "torch": (torch_sft, torch_rl)}
     if compile_ok:
         provs["torch.compile"] = (torch.compile(torch_sft, dynamic=False), torch.compile(torch_rl, dynamic=False))
@@ -97,14 +98,19 @@ def _providers(compile_ok: bool):
 
 
 def _sft_path(provider, mode, N, H, V):
-    """Which SFT path a hopperkern provider's sft row ran ("3pass" / "4pass"; "" for other rows): a forced one,
-    or what sft_path="auto" picks for bf16 at this shape (hopperkern.lce.sft.use_3pass)."""
-    if mode != "sft" or not provider.startswith("hopperkern"):
+    """Which gradient path a hopperkern provider's sft or rl row ran ("3pass" / "4pass"; "" for other rows): a
+    forced one, or what "auto" picks for bf16 at this shape (hopperkern.lce.sft.use_3pass, rl.use_3pass)."""
+    if mode == "fwd" or not provider.startswith("hopperkern"):
         return ""
-    from hopperkern.lce import sft
+    from hopperkern.lce import rl, sft
 
     forced = provider.rsplit("-", 1)[-1]
-    return "3pass" if sft.use_3pass(forced if forced in ("3pass", "4pass") else "auto", N, V, H, 2) else "4pass"
+    path = forced if forced in ("3pass", "4pass") else "auto"
+    if mode == "sft":
+        three = sft.use_3pass(path, N, V, H, 2)
+    else:
+        three = rl.use_3pass(path, N, V, H, torch.bfloat16)
+    return "3pass" if three else "4pass"
 
 
 def _floors(h, w, reps):

@@ -15,7 +15,7 @@ def main() -> int:
 
     from benchmarks.compile_moe_sm90 import _ptxas_stats, _signature
     from hopperkern.lce import _kernels as K
-    from hopperkern.lce import sft
+    from hopperkern.lce import rl, sft
     from hopperkern.lce.sft import store_z_config
     from hopperkern.tuning import KernelConfig
     from hopperkern.matmul import _matmul_kernel
@@ -43,19 +43,20 @@ def main() -> int:
                 # STORE_Z (the 3-pass SFT forward: fp32 logits out, no entropy) runs with sft.store_z_config of
                 # the tuned config: compiled once, for the tiles it keeps.
                 cfg = KernelConfig(block_m=bn, block_n=bv, block_k=bk, num_warps=w, num_stages=st)
-                # STORE_E (the 3-pass forward without softcap: bf16 exponentials out) runs at the tuned tiles.
+                # STORE_E (the 3-pass forwards without softcap: bf16 exponentials out) runs at the tuned tiles,
+                # without the entropy (SFT, "e") and with it (log-probs and entropies, "et").
                 keeps = store_z_config(cfg) == cfg or (bn, bv, bk, w, st) == (128, 128, 64, 8, 4)
-                for store in ("", "z", "e") if keeps else ("", "e"):
+                for store in ("", "z", "e", "et") if keeps else ("", "e", "et"):
                     comp(f"lce_forward  {tag} store={store or '-'}", K.lce_forward_kernel,
                          dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", m_ptr="fp32",
                               s_ptr="fp32", t_ptr="fp32", sumz_ptr="fp32", zl_ptr="fp32",
-                              z_ptr="bf16" if store == "e" else "fp32", mt_ptr="fp32", N=N, V=V,
+                              z_ptr="bf16" if store[:1] == "e" else "fp32", mt_ptr="fp32", N=N, V=V,
                               H=H, S=17, tiles_per_split=30, stride_hn=H, stride_hk=1, stride_wv=H, stride_wk=1,
                               stride_zn=V, stride_mt=1024, softcap=1.0, inv_temp=1.0),
                          dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
-                              NEED_T=not store, NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
-                              DOT_PRECISION="tf32", PICK_LABEL=True, STORE_Z=store == "z", STORE_E=store == "e",
-                              E_TMA=tma and store == "e"),
+                              NEED_T=store in ("", "et"), NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
+                              DOT_PRECISION="tf32", PICK_LABEL=True, STORE_Z=store == "z",
+                              STORE_E=store[:1] == "e", E_TMA=tma and store[:1] == "e"),
                          w, st)
                 comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,
                      dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32",
@@ -87,6 +88,14 @@ def main() -> int:
                   scale_ptr="fp32", N=512, V=V, stride_dn=V, stride_mt=1024, ignore_index=-100,
                   label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
              dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, D_TMA=tma), 4, 1)
+    for tma in (False, True):
+        bn, bv = rl._BLOCKS  # the shipped tiles
+        comp(f"lce_exp_dlogits {bn}x{bv} tma={int(tma)}", K.lce_exp_dlogits_kernel,
+             dict(d_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32", gl_ptr="fp32",
+                  gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", logprob_ptr="fp32", N=512, V=V, stride_dn=V,
+                  stride_mt=1024, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
+             dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False,
+                  D_TMA=tma), 4, 1)
     for bv, bh, bk, _, w, st in [sft.DW_TILES, sft.DW_TILES_NARROW, (128, 128, 64, 8, 8, 4)]:
         for tma in (False, True):
             comp(f"lce_dweight {bv}x{bh}x{bk} w{w} s{st} tma={int(tma)}", K.lce_dweight_kernel,

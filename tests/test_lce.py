@@ -30,6 +30,7 @@ MODES = ("never", "always")
 SHAPE = (37, 100, 40)  # N, V, H: a tail in every tiled dim, 3 row blocks x 4 vocab tiles under the interpreter
 SMALL = (19, 70, 40)  # still a tail in every dim, half the tiles: for behaviour rather than numerics
 FWD, BWD, SFT = "lce.forward", "lce.backward", "lce.sft_dlogits"  # SFT: d(logits) of the 3-pass path
+RL = "lce.rl_dlogits"  # d(logits) of the 3-pass path of per-token log-probs and entropies
 FP32_RTOL = 1e-5
 
 
@@ -233,30 +234,31 @@ def expected_use(mode, *, hidden=True, weight=True):
     on = mode != "never"
     return {FWD: {"hidden": on and hidden, "weight": on and weight},
             BWD: {"hidden": on and hidden, "weight": on and weight, "dlogits": on},
-            SFT: {"logits": on, "dlogits": on}}
+            SFT: {"logits": on, "dlogits": on}, RL: {"dlogits": mode == "always"}}
 
 
 @contextlib.contextmanager
-def expect_path(mode, *, backward=True, hidden=True, weight=True, sft=None):
+def expect_path(mode, *, backward=True, hidden=True, weight=True, sft=None, rl=False):
     """Assert that the block launched the forward (and the d(logits) kernel of a backward) with ``mode`` and the
     expected per-operand TMA choice (the ops' launch counts prove the launch happened inside the block).
-    d(logits) comes from the 4-pass backward (BWD) or the 3-pass forward (SFT): ``sft`` True or False asks for
-    one of them, None takes either."""
-    before = {op: tma.decision_count(op) for op in (FWD, BWD, SFT)}
+    d(logits) comes from the 4-pass backward (BWD), the 3-pass SFT forward (SFT) or, with ``rl``, the 3-pass
+    log-prob backward (RL): ``sft`` True or False asks for one of the first two, None takes either."""
+    before = {op: tma.decision_count(op) for op in (FWD, BWD, SFT, RL)}
     yield
     want = expected_use(mode, hidden=hidden, weight=weight)
     launched = {op for op in before if tma.decision_count(op) > before[op]}
     assert FWD in launched, f"{FWD} was not launched"
     if backward:
-        wanted = {None: {BWD, SFT}, True: {SFT}, False: {BWD}}[sft]
+        wanted = {RL} if rl else {None: {BWD, SFT}, True: {SFT}, False: {BWD}}[sft]
         assert launched & wanted, f"none of {sorted(wanted)} was launched (launched: {sorted(launched)})"
         assert not (launched - wanted - {FWD}), f"{sorted(launched - wanted - {FWD})} launched too"
     if "exp_logits" in tma.last_decision(FWD).use:
-        # The 3-pass forward without softcap stores its exponentials (a third operand), and its d(logits) kernel
+        # A 3-pass forward without softcap stores its exponentials (a third operand), and its d(logits) kernel
         # reads and writes that one buffer in place (TMA only under "always").
-        assert SFT in launched, "a forward stored its exponentials without the 3-pass d(logits) kernel"
+        dl_op = RL if rl else SFT
+        assert dl_op in launched, f"a forward stored its exponentials without {dl_op}"
         want[FWD] = dict(want[FWD], exp_logits=mode != "never")
-        want[SFT] = {"dlogits": mode == "always"}  # "auto": pointer loads, measured faster for this pass
+        want[dl_op] = {"dlogits": mode == "always"}  # "auto": pointer loads, measured faster for this pass
     for op in launched:
         d = tma.last_decision(op)
         assert (d.mode, dict(d.use)) == (mode, want[op]), d

@@ -325,3 +325,66 @@ def test_sft_3pass_memory_within_its_budget():
     extra, grads = _sum_loss_peak_extra((N, V, H), "auto")
     budget = sft.budget_bytes(V, H) + grads + 32 * 2**20
     assert extra <= budget, f"3-pass peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The 3-pass path of log-probs and entropies (hopperkern.lce.rl) against the 4-pass path and fp64, bf16
+
+
+def _rl_paths_no_worse(inp, ups, mode, baseline_max=5e-2, out_atol=1e-5):
+    """Log-probs, entropies (temperature 0.7), d_hidden and d_weight of both gradient paths under per-token upstream
+    grads ``ups``: each within 2x torch's bf16 error of fp64, and the two paths' grads within a few bf16 roundings
+    of each other."""
+    fn = dict(temperature=0.7, tma=mode)
+    want, want_grads = run(call(ref.linear_logprobs_entropy, temperature=0.7), inp, ups, dtype=torch.float64)
+    base, base_grads = run(call(torch_lowp_logprobs_entropy, temperature=0.7), inp, ups)
+    got = {}
+    for path in ("3pass", "4pass"):
+        with expect_path(mode, sft=False, rl=path == "3pass"):
+            outs, grads = run(call(lce.linear_logprobs_entropy, grad_path=path, **fn), inp, ups)
+        _no_worse_than_torch([*outs, *grads[:2]], [*base, *base_grads[:2]], [*want, *want_grads[:2]],
+                             ("logprob", "entropy") + GRADS, baseline_max, out_atol)
+        got[path] = grads
+    for name, a, b in zip(GRADS, got["3pass"], got["4pass"]):
+        assert rel_err(a, b) < 5e-3, f"{name}: 3-pass vs 4-pass"
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("shape", SFT_SHAPES)
+def test_bf16_rl_paths(shape, mode):
+    """bf16 log-probs and entropies with random per-token upstream grads of both at real sizes, on both gradient
+    paths: within 2x torch's bf16 error of fp64, and each other."""
+    ups = [upstream((shape[0],), seed=2, device=DEV), upstream((shape[0],), seed=3, device=DEV)]
+    _rl_paths_no_worse(_inputs(shape), ups, mode)
+
+
+@pytest.mark.parametrize("shape", CONFIDENT_SHAPES)
+def test_bf16_rl_paths_confident(shape):
+    """Confident bf16 batches (p_label in [0.99, 0.9999], label logits ~0) with loss-masked upstream grads on both
+    gradient paths: the 3-pass path's label entry comes from the fp32 log-prob, not from the stored e."""
+    inp = _confident_inputs(shape, temperature=0.7)
+    mask = inp.kept.float()
+    ups = [upstream((shape[0],), seed=2, device=DEV) * mask, upstream((shape[0],), seed=3, device=DEV) * mask]
+    _rl_paths_no_worse(inp, ups, "always", baseline_max=CONFIDENT_BASELINE_MAX, out_atol=CONFIDENT_LOSS_ATOL)
+
+
+def test_rl_3pass_memory_within_its_budget():
+    """The 3-pass log-prob forward + backward at 8192 x 4096 x 128256 (the rule's choice there) stays within its
+    documented extra memory, N x V x 2 + scratch <= V x H x 4 + 512 MiB (plus the bf16 grads)."""
+    from hopperkern.lce import rl, sft
+
+    N, V, H = 8192, 128256, 4096
+    assert rl.use_3pass("auto", N, V, H, torch.bfloat16)
+    inp = make_inputs((N, V, H), dtype=torch.bfloat16, device=DEV)
+    h, w = inp.hidden.detach().requires_grad_(), inp.weight.detach().requires_grad_()
+    g = upstream((N,), device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with expect_path("auto", rl=True):
+        lp, ent = lce.linear_logprobs_entropy(h, w, inp.labels)
+        torch.autograd.backward((lp, ent), (g, g))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    budget = sft.budget_bytes(V, H) + (N * H + V * H) * 2 + 32 * 2**20
+    assert extra <= budget, f"3-pass peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"

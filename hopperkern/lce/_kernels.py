@@ -486,6 +486,54 @@ def lce_sft_fixup_kernel(
 
 
 @triton.jit
+def lce_exp_dlogits_kernel(
+    d_ptr,  # [N, ld_d] in: e = exp(z - m) from lce_forward_kernel (STORE_E); out, in place: d(logits)
+    mt_ptr,  # [N, ld_mt] fp32: the running max m behind each vocab tile's e (STORE_E)
+    labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # as in lce_dlogits_kernel
+    logprob_ptr,  # [N] fp32 log p of the label from the forward's combine (z_label - lse)
+    N, V, stride_dn, stride_mt, ignore_index, label_smoothing, z_loss, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, FWD_BLOCK_V: tl.constexpr,
+    HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
+    D_TMA: tl.constexpr,
+):
+    """d(logits) under per-token upstream gradients, in place over the forward's stored exponentials: the 3-pass
+    path of per-token outputs (log-probs and entropies, :mod:`hopperkern.lce.rl`). Grid (cdiv(N, BLOCK_N),
+    cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile within one of the forward's FWD_BLOCK_V-wide
+    vocab tiles (BLOCK_V divides FWD_BLOCK_V).
+
+    The gradient of lce_dlogits_kernel + lce_onehot_kernel, dz = (p (A + B z) + C [j == label] + D) / T, with
+    p = e exp(m - lse) and z = m + log e formed in fp32 (z only where the entropy term B = -g_entropy needs it; a
+    logit whose e underflowed to 0 has p = 0 and contributes nothing), rounded once. At the label, p and z come
+    from the forward's fp32 log-prob, as in lce_onehot_kernel, so that p - 1 of a confident prediction keeps its
+    precision. A token whose LSE is NaN (an out-of-range label) gets a NaN row. No softcap: its tanh factor needs
+    each logit to more than e's precision.
+    """
+    tl.static_assert(FWD_BLOCK_V % BLOCK_V == 0, "a d(logits) tile must lie within one forward vocab tile")
+    row0 = tl.program_id(0) * BLOCK_N
+    col0 = tl.program_id(1) * BLOCK_V
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
+                                                gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
+                                                HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+    kept = row_ok & (labels != ignore_index)
+    logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
+    mt = tl.load(mt_ptr + rows.to(tl.int64) * stride_mt + col0 // FWD_BLOCK_V, mask=row_ok, other=0.0)
+    d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
+    e = load_2d(d_src, row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA).to(tl.float32)
+    at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
+    p = tl.where(at_label, tl.exp(logp)[:, None], e * tl.exp(mt - lse)[:, None])
+    coef = a[:, None]
+    if HAS_GE:
+        z = tl.where(e > 0.0, mt[:, None] + tl.log(tl.where(e > 0.0, e, 1.0)), 0.0)
+        z = tl.where(at_label, (logp + lse)[:, None], z)
+        coef = coef + b[:, None] * z
+    dz = (p * coef + d[:, None] + tl.where(at_label, c[:, None], 0.0)) * inv_temp
+    # Rows >= N and columns >= V are clipped by the store on both paths.
+    store_2d(d_src, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)
+
+
+@triton.jit
 def lce_dweight_kernel(
     d_ptr,  # [N, ld_d] d(logits), in the inputs' dtype
     h_ptr,  # [N, H] hidden

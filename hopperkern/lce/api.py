@@ -7,9 +7,9 @@ import torch
 from .._validate import _PLAIN_TENSORS, check_local_memory, options_key, real_tensor, sync_check, tensor_meta
 from .._validate import validate_once
 from ..tma.launcher import PlanCache, alignment_key, env_key
-from . import sft
+from . import rl, sft
 from .launch import forward_plan_for, logprobs_direct, validate_inputs
-from .ops import LceFunction, _opts, lce_forward_impl, lce_forward_op, lce_sft_forward_op
+from .ops import LceFunction, _opts, lce_forward_impl, lce_forward_op, lce_rl_forward_op, lce_sft_forward_op
 
 __all__ = ["linear_cross_entropy", "linear_logprobs_entropy"]
 
@@ -167,7 +167,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
 
 
 def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_index=-100, tma="auto",
-                            check_labels="auto", process_group=None):
+                            check_labels="auto", process_group=None, grad_path="auto"):
     """Per-token log-probabilities of ``labels`` and entropies under softmax(hidden @ weight.T / temperature).
 
     Equivalent to::
@@ -192,8 +192,19 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     (to fp32 summation order). One all-gather of the shard sizes (one host sync) and two all-reduces on O(N) fp32
     data per call; the backward all-reduces d_hidden (fp32 [N, H], summed) and keeps d_weight local. Not traced
     by torch.compile (runs eagerly). Tested so far on CPUs with gloo under Triton's interpreter only, not with NCCL.
+
+    ``grad_path``: "auto" | "3pass" | "4pass": how a differentiable call computes its gradients. "3pass": the
+    forward also keeps the exponentials of the logits it computes anyway, N x V in the inputs' dtype, and the
+    backward forms d(logits) from them in place, then runs two GEMMs (three passes over the vocab; bf16 and fp32
+    inputs; a second backward through the same graph raises). "4pass": the backward recomputes the logits (extra
+    memory O(N H) + 128 MiB). "auto" (default) takes "3pass" for bf16 and fp32 inputs from
+    ``sft.MIN_TOKENS_3PASS`` tokens (1536) when N x V x itemsize plus scratch (``sft.extra_bytes``) is at most
+    V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass"; fp16 inputs and ``process_group`` always take
+    "4pass" ("3pass" raises TypeError and ValueError there). No-grad calls run the plain forward either way. See
+    :mod:`hopperkern.lce.rl`.
     """
-    key = _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group)
+    key = _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group,
+                      grad_path)
     if key is not None:
         out = _nograd_cached(key, hidden, weight, labels)
         if out is not None:
@@ -201,11 +212,18 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     hidden, weight = _autocast(hidden, weight)
     _validate(process_group, hidden, weight, labels, None, options_key("lpe", ignore_index, temperature, tma),
               ignore_index=ignore_index, temperature=temperature, tma=tma)
+    rl.check_grad_path(grad_path, hidden.dtype, sharded=process_group is not None)
     lab, _ = _small_contiguous(labels, None)
     grad = _backward_follows(hidden, weight)
     hidden2d = _flat(hidden)
-    _, logprob, entropy, _ = _forward(process_group, grad, hidden2d, weight, lab, None, ignore_index, 0.0, 0.0, 0.0,
-                                      float(temperature), tma, True, sync_check("check_labels", check_labels, lab))
+    check = sync_check("check_labels", check_labels, lab)
+    if grad and process_group is None and rl.use_3pass(grad_path, hidden2d.shape[0], weight.shape[0],
+                                                       weight.shape[1], hidden2d.dtype):
+        _, logprob, entropy, _, _, _ = lce_rl_forward_op(hidden2d, weight, lab, ignore_index, float(temperature), tma,
+                                                         check)
+    else:
+        _, logprob, entropy, _ = _forward(process_group, grad, hidden2d, weight, lab, None, ignore_index, 0.0, 0.0,
+                                          0.0, float(temperature), tma, True, check)
     if key is not None and hidden2d.shape[0]:
         # These arguments passed validation: later calls with the same key take the one-lookup path.
         opts = _opts(ignore_index, 0.0, 0.0, 0.0, float(temperature), tma)
@@ -220,7 +238,7 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
 _NOGRAD_CALLS = PlanCache("lce.logprobs_nograd")
 
 
-def _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group):
+def _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group, grad_path):
     """The key of an eager no-grad ``linear_logprobs_entropy`` call on plain CUDA tensors without autocast, a
     process group or a synchronous label check: everything its validation and its plan depend on (devices,
     dtypes, shapes, strides, 16-byte alignment, options with their types, the effective ``HOPPERKERN_TMA`` and
@@ -234,7 +252,7 @@ def _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_la
         return None
     return (hidden.device, hidden.dtype, hidden.shape, hidden.stride(), weight.device, weight.dtype, weight.shape,
             weight.stride(), labels.device, labels.dtype, labels.shape, labels.stride(), temperature,
-            type(temperature), ignore_index, type(ignore_index), tma, env_key(),
+            type(temperature), ignore_index, type(ignore_index), tma, grad_path, env_key(),
             alignment_key(hidden, weight, labels))
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from .._validate import check_choice, check_float
 from ..tma import TMA_MODES
 from .api import linear_cross_entropy, linear_logprobs_entropy
+from .rl import GRAD_PATHS
 from .sft import check_sft_path
 
 __all__ = ["LinearCrossEntropyLoss", "LinearLogprobsEntropy"]
@@ -96,23 +97,28 @@ class LinearLogprobsEntropy(nn.Module):
     ``forward(hidden [..., H], weight [V, H], labels [...])`` returns ``(logprobs, entropy)``, float32, each
     ``labels.shape``, both differentiable with respect to hidden and weight. Under ``torch.no_grad()`` (old or
     reference policy) the log-probs agree with a differentiable call's to fp32 rounding (~1e-6), not bit for bit.
+    ``grad_path`` ("auto" | "3pass" | "4pass") is passed on: "auto" keeps the logits' exponentials from the forward
+    for a backward of one streaming pass and two GEMMs (3 passes over the vocab) when N x V of them fit
+    V x H x 4 bytes + 512 MiB, and recomputes the logits otherwise.
     """
 
     def __init__(self, temperature: float = 1.0, *, ignore_index: int = -100, tma: str = "auto",
-                 check_labels: bool | str = "auto"):
+                 check_labels: bool | str = "auto", grad_path: str = "auto"):
         super().__init__()
         _check_common(ignore_index, temperature, tma, check_labels)
+        check_choice("grad_path", grad_path, GRAD_PATHS)
         self.temperature = temperature
         self.ignore_index = ignore_index
         self.tma = tma
         self.check_labels = check_labels
+        self.grad_path = grad_path
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return linear_logprobs_entropy(hidden, weight, labels, temperature=self.temperature,
                                        ignore_index=self.ignore_index, tma=self.tma,
-                                       check_labels=self.check_labels)
+                                       check_labels=self.check_labels, grad_path=self.grad_path)
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, ignore_index={self.ignore_index}, tma={self.tma!r}, "
-                f"check_labels={self.check_labels}")
+                f"check_labels={self.check_labels}, grad_path={self.grad_path!r}")

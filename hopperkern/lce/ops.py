@@ -1,9 +1,11 @@
 """torch.library custom ops around the LCE launchers, with fake (meta) implementations and autograd.
 
 Custom ops keep ``torch.compile(fullgraph=True)`` working: dynamo sees opaque ops with known output shapes
-instead of Triton launches and host-side checks. Two pairs: ``lce_forward`` / ``lce_backward`` (the 4-pass path,
-any per-token upstream gradients) and ``lce_sft_forward`` / ``lce_sft_backward`` (the 3-pass path of a sum or
-mean loss, :mod:`.sft`, whose forward returns the d(logits) that its backward multiplies).
+instead of Triton launches and host-side checks. Three pairs: ``lce_forward`` / ``lce_backward`` (the 4-pass
+path, any per-token upstream gradients), ``lce_sft_forward`` / ``lce_sft_backward`` (the 3-pass path of a sum or
+mean loss, :mod:`.sft`, whose forward returns the d(logits) that its backward multiplies) and ``lce_rl_forward`` /
+``lce_rl_backward`` (the 3-pass path of per-token log-probs and entropies, :mod:`.rl`, whose forward returns the
+exponentials that its backward turns into d(logits) in place).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 from torch import Tensor
 
 from ..tma import launch_context
-from .launch import LceOptions, check_labels, lce_backward, lce_forward
+from .launch import LceOptions, check_labels, lce_backward, lce_forward, pick_config
+from .rl import forward_config as rl_forward_config
+from .rl import lce_rl_backward, lce_rl_forward
 from .sft import lce_sft_backward, lce_sft_forward, padded_cols
 
 
@@ -216,3 +220,75 @@ def _sft_backward(ctx, g_loss, _):
 
 
 torch.library.register_autograd("hopperkern::lce_sft_forward", _sft_backward, setup_context=_sft_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The 3-pass path of per-token log-probs and entropies (hopperkern.lce.rl)
+
+
+def _rl_opts(ignore_index, temperature, tma) -> LceOptions:
+    return _opts(ignore_index, 0.0, 0.0, 0.0, temperature, tma)
+
+
+@torch.library.custom_op("hopperkern::lce_rl_forward", mutates_args=())
+def lce_rl_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, temperature: float, tma: str,
+                      check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, logprob, entropy, lse, e, mt): the per-token fp32 outputs and the exponentials and per-tile maxima
+    the backward forms d(logits) from; see :func:`rl.lce_rl_forward`."""
+    with launch_context(hidden, "hopperkern.lce"):
+        if check:
+            check_labels(labels, weight.shape[0], ignore_index)
+        return lce_rl_forward(hidden, weight, labels, _rl_opts(ignore_index, temperature, tma))
+
+
+@lce_rl_forward_op.register_fake
+def _(hidden, weight, labels, ignore_index, temperature, tma, check):
+    n, (v, h) = hidden.shape[0], weight.shape
+    cfg = rl_forward_config(pick_config("forward", hidden.dtype, n, h, hidden.device), n)  # the real call's: host only
+    stats = tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(4))
+    return (*stats, hidden.new_empty((n, padded_cols(v))),
+            hidden.new_empty((n, (v + cfg.block_n - 1) // cfg.block_n), dtype=torch.float32))
+
+
+@torch.library.custom_op("hopperkern::lce_rl_backward", mutates_args=("e",))
+def lce_rl_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, e: Tensor, mt: Tensor, lse: Tensor,
+                       entropy: Tensor, logprob: Tensor, g_loss: Optional[Tensor], g_logprob: Optional[Tensor],
+                       g_entropy: Optional[Tensor], g_lse: Optional[Tensor], ignore_index: int, temperature: float,
+                       tma: str, need_hidden_grad: bool, need_weight_grad: bool) -> tuple[Tensor, Tensor]:
+    """(d_hidden, d_weight) from what lce_rl_forward kept and fp32 [N] upstream gradients of its per-token outputs;
+    ``e`` is overwritten with d(logits). A gradient that is not needed comes back as an empty tensor."""
+    with launch_context(hidden, "hopperkern.lce backward"):
+        grads = lce_rl_backward(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy,
+                                g_lse, _rl_opts(ignore_index, temperature, tma), need_hidden_grad=need_hidden_grad,
+                                need_weight_grad=need_weight_grad)
+    return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
+
+
+@lce_rl_backward_op.register_fake
+def _(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse, ignore_index,
+      temperature, tma, need_hidden_grad, need_weight_grad):
+    return _fake_grads(hidden, weight, None, need_hidden_grad, need_weight_grad)[:2]
+
+
+def _rl_setup_context(ctx, inputs, output):
+    hidden, weight, labels = inputs[:3]
+    _, logprob, entropy, lse, e, mt = output
+    ctx.mark_non_differentiable(e, mt)
+    # The backward overwrites e: a second backward through this graph then fails autograd's version check.
+    ctx.save_for_backward(hidden, weight, labels, e, mt, lse, entropy, logprob)
+    ctx.opts = tuple(inputs[3:6])
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: a term the kernel skips
+
+
+def _rl_backward(ctx, g_loss, g_logprob, g_entropy, g_lse, _e, _mt):
+    hidden, weight, labels, e, mt, lse, entropy, logprob = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ups = [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
+           for x in (g_loss, g_logprob, g_entropy, g_lse)]
+    if not (need_h or need_w) or all(x is None for x in ups):
+        return (None,) * 7
+    dh, dw = lce_rl_backward_op(hidden, weight, labels, e, mt, lse, entropy, logprob, *ups, *ctx.opts, need_h, need_w)
+    return (dh if need_h else None, dw if need_w else None) + (None,) * 5
+
+
+torch.library.register_autograd("hopperkern::lce_rl_forward", _rl_backward, setup_context=_rl_setup_context)

@@ -1,0 +1,153 @@
+"""The 3-pass forward + backward of per-token log-probs and entropies (RL): launchers and the rule that picks it.
+
+The 4-pass path (:func:`.launch.lce_backward`) recomputes every logit in the backward, because the per-token
+upstream gradients of the log-probs and entropies (PPO/GRPO advantages, an entropy bonus) only arrive then. This
+path keeps instead what the forward's log-sum-exp computes anyway: for every logit e = exp(z - m), m the row's
+running max after its vocab tile, in the inputs' dtype, and m per tile in fp32 (:func:`.launch.lce_forward` with
+``e_out``, as the SFT path of :mod:`.sft`). The backward then forms d(logits) in place over e
+(``lce_exp_dlogits_kernel``: p = e exp(m - lse), z = m + log e, the label's p and z from the forward's fp32
+log-prob) and runs the two gradient GEMMs of :func:`.sft.lce_sft_backward` with an upstream gradient of 1: three
+passes over the vocab (logits, d_hidden, d_weight) plus one streaming pass over the kept N x V buffer.
+
+Precision (bf16): e carries a relative error of 2^-9, so p does too and z an absolute one of 2^-9 (the entropy
+term p (E - z) g_entropy); d(logits) is rounded once more. The GPU tests bound the result against fp64 and plain
+PyTorch. fp16 inputs keep the 4-pass path (fp16 e loses its relative precision below 6.1e-5), and so do calls
+with a ``process_group`` (vocab-parallel).
+
+The kept buffer is mutated by the backward: a second backward through the same graph (``retain_graph=True``)
+raises autograd's error about a saved tensor modified in place; ``grad_path="4pass"`` allows it.
+
+Rule (``grad_path="auto"``): bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS``
+hidden units (below it the recomputed logits cost less than the extra streaming), when :func:`.sft.extra_bytes`
+(the kept N x V buffer, the per-tile maxima, the backward's fp32 d_hidden) is at most :func:`.sft.budget_bytes` =
+V x H x 4 bytes + 512 MiB: the SFT path's memory rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import tma as _tma
+from .._host import cdiv
+from .._validate import check_choice
+from ..tuning import KernelConfig
+from ._kernels import lce_exp_dlogits_kernel
+from .launch import LceOptions, lce_forward, pick_config
+from . import sft as _sft
+from .sft import _FIXUP_POINTER, budget_bytes, extra_bytes, lce_sft_backward, padded_cols
+
+__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_TOKENS_NARROW_TILES", "check_grad_path", "use_3pass", "forward_config",
+           "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
+
+GRAD_PATHS = ("auto", "3pass", "4pass")
+# "auto" takes the 3-pass path from this hidden size. It trades the backward's recomputed logits (2 N V H FLOPs)
+# for streaming the kept N x V buffer (written by the forward, read and rewritten by the backward), which only pays
+# where H is large enough. Measured on the H200 (bf16, one run), forward + backward / 4G, 3-pass vs 4-pass: 0.94 vs
+# 1.15 to 1.20 at H = 4096 and 3584, 1.01 vs 1.15 at 2304, 0.82 vs 0.98 at 1937 x 3584 x 152064, but 1.10 vs 1.06
+# at 2169 x 896 x 151936. Between 896 and 2304 nothing was measured: the threshold keeps the 4-pass path there.
+MIN_HIDDEN_3PASS = 2048
+# The forward that stores its exponentials and entropy terms at 128 x 256 tiles spills 690-750 registers per
+# thread on sm_90 (benchmarks/compile_lce_sm90.py, store=et); 128 x 128 x 64 with 8 warps and 4 stages spills none.
+# Measured on the H200 (bf16, one run), forward + backward / 4G with those tiles instead of the tuned 128 x 256:
+# 0.90 vs 0.94 at 8192 x 4096, 0.91 vs 0.94 at 16384 x 3584, 0.97 vs 1.01 at 8192 x 2304, level at 32768 x 4096,
+# but 0.85 vs 0.82 at 1937 x 3584: taken from this many tokens.
+MIN_TOKENS_NARROW_TILES = 4096
+_RL_OP = "lce.rl_dlogits"  # the in-place d(logits) launch's name in tma.last_decision
+# The in-place pass's tiles: as the SFT fix-up's (same bytes per logit), measured there on the H200.
+_BLOCKS, _BLOCKS_INTERPRETED = (32, 128), (16, 32)
+
+
+def check_grad_path(grad_path, dtype: torch.dtype, *, sharded: bool = False) -> None:
+    """ValueError for an unknown ``grad_path`` or "3pass" with a ``process_group``; TypeError for "3pass" with fp16
+    inputs (the stored exponentials need bf16's or fp32's exponent range)."""
+    check_choice("grad_path", grad_path, GRAD_PATHS)
+    if grad_path != "3pass":
+        return
+    if sharded:
+        raise ValueError("grad_path must be 'auto' or '4pass' with a process_group (vocab-parallel), got '3pass' "
+                         "(the 3-pass path is for an unsharded head)")
+    if dtype == torch.float16:
+        raise TypeError("grad_path='3pass' needs bfloat16 or float32 inputs, got float16 (fp16 exponentials lose "
+                        "their relative precision below 6.1e-5); use 'auto' or '4pass'")
+
+
+def use_3pass(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> bool:
+    """Whether a differentiable call takes the 3-pass path: ``"3pass"`` always (bf16 and fp32), ``"4pass"`` never,
+    ``"auto"`` for bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS`` hidden units
+    when :func:`.sft.extra_bytes` <= :func:`.sft.budget_bytes`."""
+    check_choice("grad_path", grad_path, GRAD_PATHS)
+    if grad_path != "auto":
+        return grad_path == "3pass"
+    if dtype == torch.float16 or H < MIN_HIDDEN_3PASS:
+        return False
+    elem = torch.finfo(dtype).bits // 8
+    return N >= _sft.MIN_TOKENS_3PASS and extra_bytes(N, V, H, elem) <= budget_bytes(V, H)
+
+
+def forward_config(cfg: KernelConfig, N: int) -> KernelConfig:
+    """The 3-pass forward's launch config from the tuned forward config ``cfg``: from ``MIN_TOKENS_NARROW_TILES``
+    tokens, tiles of 128 x 256 or more run as 128 x 128 x 64 with 8 warps and 4 stages (no register spills with the
+    stores); otherwise, and for smaller tiles (fp32 inputs, the interpreter), as tuned."""
+    if N < MIN_TOKENS_NARROW_TILES or cfg.block_m * cfg.block_n < 128 * 256:
+        return cfg
+    return cfg.model_copy(update=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4))
+
+
+def forward_block_v(V: int, num_tiles: int) -> int:
+    """The forward's vocab tile width behind per-tile maxima of ``num_tiles`` columns: the smallest power of two
+    (at least 16) with cdiv(V, width) == num_tiles. Tile widths are powers of two, and two of them give the same
+    count only when it is 1, where any width >= V reads the same column."""
+    width = 16
+    while cdiv(V, width) > num_tiles:
+        width *= 2
+    if cdiv(V, width) != num_tiles:
+        raise ValueError(f"mt has {num_tiles} columns, which no power-of-two vocab tile of V = {V} gives")
+    return width
+
+
+def lce_rl_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, opts: LceOptions):
+    """``(loss, logprob, entropy, lse, e, mt)``: the per-token fp32 outputs of :func:`.launch.lce_forward` (label
+    logit picked from the tiles, entropy computed) and what the backward keeps: ``e`` [N, padded_cols(V)] in the
+    inputs' dtype (columns >= V unused) and ``mt`` fp32 [N, cdiv(V, block_n)]. Inputs must be validated already."""
+    _tma.check_interpreter(hidden2d.dtype, "lce.forward")
+    N, H = hidden2d.shape
+    V = weight.shape[0]
+    dev = hidden2d.device
+    cfg = forward_config(pick_config("forward", hidden2d.dtype, N, H, dev), N)
+    e = torch.empty((N, padded_cols(V)), dtype=hidden2d.dtype, device=dev)
+    mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=dev)
+    if N == 0:
+        f32 = dict(dtype=torch.float32, device=dev)
+        return (*(torch.empty(0, **f32) for _ in range(4)), e, mt)
+    loss, logprob, entropy, lse = lce_forward(hidden2d, weight, labels1d, None, opts, need_entropy=True,
+                                              config=cfg, pick_label=True, e_out=(e, mt))
+    return loss, logprob, entropy, lse, e, mt
+
+
+def lce_rl_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
+                    opts: LceOptions, *, need_hidden_grad: bool = True, need_weight_grad: bool = True):
+    """``(d_hidden [N, H], d_weight [V, H])`` in the inputs' dtype (None where not needed) from what
+    :func:`lce_rl_forward` kept and fp32 [N] upstream gradients of its per-token outputs (None for zero).
+    Overwrites ``e`` with d(logits). Extra memory: fp32 [N, H] for d_hidden."""
+    N, H = hidden2d.shape
+    V = weight.shape[0]
+    dev, dt = hidden2d.device, hidden2d.dtype
+    grads = (g_loss, g_logprob, g_entropy, g_lse)
+    if N == 0 or all(g is None for g in grads):
+        d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
+        d_w = torch.zeros(weight.shape, dtype=dt, device=dev) if need_weight_grad else None
+        return d_h, d_w
+    bn, bv = _BLOCKS_INTERPRETED if _tma.interpreter_active() else _BLOCKS
+    fwd_bv = forward_block_v(V, mt.shape[1])
+    bv = min(bv, fwd_bv)
+    d = _tma.decide(opts.tma, {"dlogits": (e, (bn, bv))}, op=_RL_OP, auto_pointer=_FIXUP_POINTER)
+    flags = dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), (g is not None for g in grads)))
+    lce_exp_dlogits_kernel[(cdiv(N, bn), cdiv(V, bv))](
+        e, mt, labels1d, lse, entropy, *(g if g is not None else lse for g in grads), logprob,
+        N, V, e.stride(0), mt.stride(0), opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
+        opts.inv_temp, BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv, **flags, D_TMA=d["dlogits"],
+    )
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    d_h, d_w, _ = lce_sft_backward(hidden2d, weight, None, e, one, need_hidden_grad=need_hidden_grad,
+                                   need_weight_grad=need_weight_grad, tma=opts.tma)
+    return d_h, d_w

@@ -1,0 +1,364 @@
+"""The 3-pass path of lce.linear_logprobs_entropy (hopperkern/lce/rl.py) against the fp64 reference and against the
+4-pass path: numerics on both memory paths, the path choice, autograd uses (gradient accumulation, checkpointing,
+a second backward, torch.compile) and its custom ops. Shapes and helpers are test_lce.py's (interpreter-sized)."""
+
+import re
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from test_lce import _no_tma_env  # noqa: F401  (autouse: a HOPPERKERN_TMA in the environment would override modes)
+from test_lce import (
+    _BF16_OK,
+    CONFIDENT,
+    CONFIDENT_LOSS_ATOL,
+    FWD,
+    LAYOUTS,
+    MODES,
+    RL,
+    SHAPE,
+    SMALL,
+    _op_args,
+    assert_close,
+    call,
+    check_fp32,
+    check_grads,
+    check_no_worse,
+    expect_path,
+    make_inputs,
+    rel_err,
+    run,
+    torch_lowp_logprobs_entropy,
+    upstream,
+)
+from hopperkern import lce, tma
+from hopperkern.lce import launch, rl, sft
+from hopperkern.lce import reference as ref
+from hopperkern.lce.ops import lce_rl_backward_op, lce_rl_forward_op
+from hopperkern.tuning import KernelConfig
+
+THREE, FOUR = dict(grad_path="3pass"), dict(grad_path="4pass")
+SAME_ORDER_RTOL = 2e-6  # 3-pass vs 4-pass in fp32: the same math, summed in another order
+GRADS_ON = ["both", "logprobs", "entropy"]
+
+
+def _ups(grads_on, n=SHAPE[0]):
+    return [upstream((n,), seed=2) if grads_on != "entropy" else None,
+            upstream((n,), seed=3) if grads_on != "logprobs" else None]
+
+
+def _lpe(mode, **extra):
+    return call(lce.linear_logprobs_entropy, temperature=0.7, tma=mode, **extra)
+
+
+REF = call(ref.linear_logprobs_entropy, temperature=0.7)
+BASE = call(torch_lowp_logprobs_entropy, temperature=0.7)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grads_on", GRADS_ON)
+def test_3pass_fp32_matches_reference_and_4pass(grads_on, mode):
+    """fp32 log-probs, entropies and d_hidden, d_weight of the 3-pass path match fp64 to ~1e-5 and the 4-pass
+    path's to fp32 summation order, under random per-token upstream grads (ignored tokens: no log-prob gradient,
+    the entropy one all the same)."""
+    inp, ups = make_inputs(SHAPE, ignore=0.3), _ups(grads_on)
+    (lp, ent), grads = check_fp32(mode, _lpe(mode, **THREE), REF, inp, ups, path=dict(rl=True))
+    with expect_path(mode, sft=False):
+        (lp4, ent4), grads4 = run(_lpe(mode, **FOUR), inp, ups)
+    assert_close(lp, lp4, SAME_ORDER_RTOL, "logprob")
+    assert_close(ent, ent4, SAME_ORDER_RTOL, "entropy")
+    check_grads(grads[:2], grads4[:2], SAME_ORDER_RTOL)
+    ignored_rows = grads[0][~inp.kept].abs().sum(-1)
+    assert (ignored_rows > 0).all() if grads_on != "logprobs" else not ignored_rows.any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_3pass_exponentials_with_vocab_splits(mode, monkeypatch):
+    """Under a forced config (block_n=16: 7 vocab tiles) and 3 vocab splits (3, 3, 1 tiles) every split restarts
+    its running max and each tile's max lands at mt[n, tile]: the backward, which reads the tile width back from
+    mt's shape, gives the reference's grads."""
+    cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    asked = []
+    monkeypatch.setattr(rl, "pick_config", lambda *args: cfg)
+    monkeypatch.setattr(launch, "forward_plan", lambda *args: asked.append(args) or (3, 3))
+    check_fp32(mode, _lpe(mode, **THREE), REF, make_inputs(SHAPE, ignore=0.3), _ups("both"), path=dict(rl=True))
+    assert asked, "the forward must take its splits from forward_plan"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grads_on", ["both", "logprobs"])
+def test_3pass_fp32_confident(grads_on, mode):
+    """Confident predictions (p_label in [0.99, 0.9999]) in fp32: the label's gradient g (1 - p) comes from the
+    forward's fp32 log-prob, not from e. Both paths then carry the log-prob's ~1e-6 absolute error (two fp32 sums of
+    size |z|), ~1e-4 of d_hidden where the label column and the rest nearly cancel; the 3-pass path's grads are as
+    close to fp64 as the 4-pass path's (within 25 %), its outputs those of the same forward."""
+    inp = make_inputs(SHAPE, ignore=0.2, confident=CONFIDENT, temperature=0.7)
+    mask = inp.kept.float()
+    ups = [u * mask if u is not None else None for u in _ups(grads_on)]
+    with expect_path(mode, rl=True):
+        outs, grads = run(_lpe(mode, **THREE), inp, ups)
+    outs4, grads4 = run(_lpe(mode, **FOUR), inp, ups)
+    _, want = run(REF, inp, ups, dtype=torch.float64)
+    for o, o4 in zip(outs, outs4):
+        assert_close(o, o4, SAME_ORDER_RTOL, "output")
+    for name, g, g4, w in zip(("d_hidden", "d_weight"), grads, grads4, want):
+        e3, e4 = rel_err(g, w), rel_err(g4, w)
+        assert e4 < 1e-3, f"{name}: the 4-pass path's error {e4:.2e} is no baseline"
+        assert e3 <= 1.25 * e4 + 1e-7, f"{name}: 3-pass error {e3:.2e} vs the 4-pass path's {e4:.2e}"
+
+
+@pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("confident", [False, True], ids=["random", "confident"])
+def test_3pass_bf16_no_worse_than_torch(confident, mode):
+    """bf16 (conftest's interpreter patch): log-probs, entropies and grads within 2x plain PyTorch's bf16 error of
+    fp64, with e's extra rounding in p and z; also for confident predictions (loss-masked upstream grads)."""
+    inp = make_inputs(SHAPE, torch.bfloat16, ignore=0.2, confident=CONFIDENT if confident else None,
+                      temperature=0.7)
+    mask = inp.kept.float()
+    ups = [u * mask for u in _ups("both")]
+    check_no_worse(mode, _lpe(mode, **THREE), REF, BASE, inp, ups, ("logprob", "entropy"),
+                   out_atol=CONFIDENT_LOSS_ATOL if confident else 1e-5, path=dict(rl=True))
+
+
+@pytest.mark.parametrize("mode", ["auto", "never"])
+@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay.name != "odd pitch"], ids=lambda lay: lay.name)
+def test_3pass_noncontiguous_hidden(layout, mode):
+    """A strided hidden view (transposed: pointer loads; an aligned column slice: TMA in place) gives the
+    reference's outputs and grads; the d_weight GEMM reads the view with its strides."""
+    inp = make_inputs(SMALL, ignore=0.2)
+    inp.hidden = layout.make(inp.hidden)
+    check_fp32(mode, _lpe(mode, **THREE), REF, inp, _ups("both", SMALL[0]), view=layout.view,
+               path=dict(hidden=layout.tma_reason is None, rl=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autograd uses
+
+
+def _leaves(inp):
+    return [inp.hidden.detach().clone().requires_grad_(), inp.weight.detach().clone().requires_grad_()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation(mode):
+    """Two micro-batches accumulate into .grad as one batch does, on both paths, and the paths agree."""
+    inp = make_inputs(SHAPE, ignore=0.3)
+    g_lp, g_ent = _ups("both")
+    got = {}
+    for path in ("3pass", "4pass"):
+        h, w = _leaves(inp)
+        for rows in (slice(0, 20), slice(20, None)):
+            lp, ent = lce.linear_logprobs_entropy(h[rows], w, inp.labels[rows], tma=mode, grad_path=path)
+            ((lp * g_lp[rows]).sum() + (ent * g_ent[rows]).sum()).backward()
+        got[path] = [h.grad.clone(), w.grad.clone()]
+        h2, w2 = _leaves(inp)
+        lp, ent = lce.linear_logprobs_entropy(h2, w2, inp.labels, tma=mode, grad_path=path)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        check_grads(got[path], [h2.grad, w2.grad], SAME_ORDER_RTOL)
+    check_grads(got["3pass"], got["4pass"], SAME_ORDER_RTOL)
+
+
+def test_second_backward_raises():
+    """The backward overwrites the kept exponentials: a second backward through a retained graph fails autograd's
+    version check instead of reading d(logits) as exponentials; the 4-pass path allows it."""
+    inp = make_inputs(SMALL)
+    h, w = _leaves(inp)
+    lp, _ = lce.linear_logprobs_entropy(h, w, inp.labels, tma="never", **THREE)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()
+    lp, _ = lce.linear_logprobs_entropy(h, w, inp.labels, tma="never", **FOUR)
+    lp.sum().backward(retain_graph=True)
+    lp.sum().backward()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing(use_reentrant):
+    """Under torch.utils.checkpoint (the forward re-run in the backward, keeping its exponentials anew) the grads
+    equal those of the same call without checkpointing, bit for bit."""
+    inp = make_inputs(SHAPE, ignore=0.3)
+    g_lp, g_ent = _ups("both")
+    want = {}
+    for ckpt in (False, True):
+        h, w = _leaves(inp)
+
+        def f(h, w):
+            return lce.linear_logprobs_entropy(torch.tanh(h), w, inp.labels, tma="never", **THREE)
+
+        lp, ent = torch.utils.checkpoint.checkpoint(f, h, w, use_reentrant=use_reentrant) if ckpt else f(h, w)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        want[ckpt] = [h.grad, w.grad]
+    for got, exp in zip(want[True], want[False]):
+        assert torch.equal(got, exp)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Edge cases
+
+
+def test_3pass_zero_tokens():
+    """No tokens: empty outputs and zero grads of the right shapes, without a launch."""
+    inp = make_inputs((0, SMALL[1], SMALL[2]))
+    before = tma.last_decision(FWD)
+    (lp, ent), grads = run(_lpe("always", **THREE), inp, [upstream((0,)), upstream((0,))])
+    assert tma.last_decision(FWD) is before
+    assert lp.shape == ent.shape == (0,)
+    for g, t in zip(grads, (inp.hidden, inp.weight)):
+        assert g.shape == t.shape and not g.any()
+
+
+def test_3pass_out_of_range_label_gives_nan():
+    """Unchecked (check_labels=False), a label >= V makes its token's log-prob, entropy and d_hidden row NaN;
+    the other tokens' rows stay finite."""
+    inp = make_inputs(SMALL)
+    inp.labels[3] = SMALL[1] + 5
+    (lp, ent), (d_h, d_w, _) = run(_lpe("never", check_labels=False, **THREE), inp, _ups("both", SMALL[0]))
+    assert lp[3].isnan() and ent[3].isnan() and d_h[3].isnan().all()
+    rest = torch.arange(SMALL[0]) != 3
+    assert lp[rest].isfinite().all() and d_h[rest].isfinite().all()
+    assert d_w.isnan().any()  # the bad token's row reaches every d_weight column
+
+
+def test_3pass_fp16_is_refused_and_auto_takes_4pass():
+    """fp16 inputs: "3pass" raises TypeError before any launch; "auto" takes the 4-pass path."""
+    inp = make_inputs(SMALL, torch.float16)
+    h, w = _leaves(inp)
+    before = tma.last_decision(FWD)
+    with pytest.raises(TypeError, match=re.escape("grad_path='3pass' needs bfloat16 or float32 inputs")):
+        lce.linear_logprobs_entropy(h, w, inp.labels, **THREE)
+    assert tma.last_decision(FWD) is before
+    assert not rl.use_3pass("auto", 8192, 128256, 4096, torch.float16)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(grad_path="2pass"), ValueError, "grad_path must be one of ('auto', '3pass', '4pass'), got '2pass'"),
+    (dict(grad_path=3), ValueError, "grad_path must be one of ('auto', '3pass', '4pass'), got 3"),
+])
+def test_grad_path_errors(kwargs, error, match):
+    """A bad grad_path raises before any launch, with or without grad (also once a no-grad call is cached)."""
+    inp = make_inputs(SMALL)
+    lce.linear_logprobs_entropy(inp.hidden, inp.weight, inp.labels)  # a valid no-grad call first
+    before = tma.last_decision(FWD)
+    for grad in (False, True):
+        h = inp.hidden.clone().requires_grad_(grad)
+        with pytest.raises(error, match=re.escape(match)):
+            lce.linear_logprobs_entropy(h, inp.weight, inp.labels, **kwargs)
+    with pytest.raises(error, match=re.escape(match)):
+        lce.LinearLogprobsEntropy(**kwargs)
+    assert tma.last_decision(FWD) is before
+
+
+def test_module_passes_grad_path():
+    """LinearLogprobsEntropy(grad_path=...) takes that path and says so in its repr."""
+    inp = make_inputs(SMALL)
+    mod = lce.LinearLogprobsEntropy(temperature=0.7, tma="never", **THREE)
+    assert "grad_path='3pass'" in repr(mod)
+    with expect_path("never", rl=True):
+        (lp, _), grads = run(lambda h, w, b, lab: mod(h, w, lab), inp, _ups("both", SMALL[0]))
+    _, want = run(REF, inp, _ups("both", SMALL[0]), dtype=torch.float64)
+    check_grads(grads[:2], want[:2], 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which path runs
+
+
+def test_auto_path_follows_the_memory_rule(monkeypatch):
+    """"auto" takes the 3-pass path at interpreter sizes once the token and hidden-size thresholds are lowered,
+    and the 4-pass path below either, under no_grad the plain forward."""
+    inp = make_inputs(SMALL)
+    for tokens, hidden, path in ((1, 1, dict(rl=True)), (SMALL[0] + 1, 1, dict(sft=False)),
+                                 (1, SMALL[2] + 1, dict(sft=False))):
+        monkeypatch.setattr(sft, "MIN_TOKENS_3PASS", tokens)
+        monkeypatch.setattr(rl, "MIN_HIDDEN_3PASS", hidden)
+        with expect_path("never", **path):
+            run(_lpe("never"), inp, _ups("both", SMALL[0]))
+    with torch.no_grad(), expect_path("never", backward=False):
+        lce.linear_logprobs_entropy(inp.hidden, inp.weight, inp.labels, tma="never", **THREE)
+
+
+@pytest.mark.parametrize("N, H, V, dtype, three", [
+    (8192, 4096, 128256, torch.bfloat16, True),  # 2.0 GiB of exponentials within 2.0 GiB + 512 MiB
+    (32768, 4096, 128256, torch.bfloat16, False),  # 7.8 GiB: over the budget
+    (1937, 3584, 152064, torch.bfloat16, True),
+    (1024, 3584, 152064, torch.bfloat16, False),  # below MIN_TOKENS_3PASS
+    (2169, 896, 151936, torch.bfloat16, False),  # below MIN_HIDDEN_3PASS: the recomputed logits cost less
+    (8192, 4096, 128256, torch.float32, False),  # 3.9 GiB of fp32 exponentials: over the budget
+    (2048, 4096, 128256, torch.float32, True),
+])
+def test_memory_rule_on_real_shapes(N, H, V, dtype, three):
+    """The rule on real shapes: the token and hidden-size thresholds, then sft.extra_bytes against
+    sft.budget_bytes."""
+    elem = torch.finfo(dtype).bits // 8
+    assert rl.use_3pass("auto", N, V, H, dtype) is three
+    assert three is (N >= sft.MIN_TOKENS_3PASS and H >= rl.MIN_HIDDEN_3PASS
+                     and sft.extra_bytes(N, V, H, elem) <= sft.budget_bytes(V, H))
+    assert rl.use_3pass("3pass", N, V, H, dtype) and not rl.use_3pass("4pass", N, V, H, dtype)
+
+
+def test_forward_config():
+    """From MIN_TOKENS_NARROW_TILES tokens a 128 x 256 forward runs as 128 x 128 x 64, 8 warps, 4 stages (group and
+    flatten kept); below it, and smaller tiles at any size, as tuned."""
+    wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, flatten=True)
+    narrow = rl.forward_config(wide, rl.MIN_TOKENS_NARROW_TILES)
+    assert (narrow.block_m, narrow.block_n, narrow.block_k, narrow.num_warps, narrow.num_stages) == (128, 128, 64, 8, 4)
+    assert (narrow.group_m, narrow.flatten) == (8, True)
+    assert rl.forward_config(wide, rl.MIN_TOKENS_NARROW_TILES - 1) == wide
+    small = KernelConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+    assert rl.forward_config(small, 10**6) == small
+
+
+def test_forward_block_v():
+    """The tile width read back from the per-tile maxima's column count is the config's, for every power-of-two
+    width at several V; a count no width gives raises."""
+    for V in (1, 15, 100, 128256, 151936):
+        for width in (16, 32, 64, 128, 256):
+            got = rl.forward_block_v(V, -(-V // width))
+            assert -(-V // got) == -(-V // width)
+            if -(-V // width) > 1:
+                assert got == width
+    with pytest.raises(ValueError, match="no power-of-two vocab tile"):
+        rl.forward_block_v(100, 5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.compile and the custom ops
+
+
+def test_3pass_torch_compile_fullgraph():
+    """torch.compile(fullgraph=True) traces the 3-pass path (its exponentials saved for, and overwritten by, the
+    backward) without graph breaks; outputs and grads equal eager."""
+    torch._dynamo.reset()
+
+    def step(x, w, b, labels):
+        return lce.linear_logprobs_entropy(torch.tanh(x) * 3.0, w, labels, temperature=0.7, tma="never", **THREE)
+
+    inp, ups = make_inputs(SMALL, ignore=0.2), _ups("both", SMALL[0])
+    want, want_grads = run(step, inp, ups)
+    try:
+        with expect_path("never", rl=True):
+            got, grads = run(torch.compile(step, fullgraph=True, backend="aot_eager"), inp, ups)
+    finally:
+        torch._dynamo.reset()
+    for o, w in zip(got, want):
+        assert_close(o, w, 1e-6, "output")
+    check_grads(grads[:2], want_grads[:2], 1e-6)
+
+
+def test_rl_custom_ops_opcheck():
+    """torch.library.opcheck: schema, autograd registration and fake kernels of both ops agree with the real
+    ones (the backward's in-place write of e declared)."""
+    inp = make_inputs((5, 20, 16))
+    opts = dict(ignore_index=-100, temperature=0.7, tma="never", check=True)
+    fwd = _op_args("lce_rl_forward", hidden=inp.hidden.clone().requires_grad_(),
+                   weight=inp.weight.clone().requires_grad_(), labels=inp.labels, **opts)
+    torch.library.opcheck(lce_rl_forward_op, fwd, test_utils=("test_schema", "test_autograd_registration",
+                                                              "test_faketensor"))
+    _, lp, ent, lse, e, mt = (t.detach() for t in lce_rl_forward_op(*fwd))
+    g = upstream((5,))
+    bwd = _op_args("lce_rl_backward", hidden=inp.hidden, weight=inp.weight, labels=inp.labels, e=e, mt=mt, lse=lse,
+                   entropy=ent, logprob=lp, g_loss=None, g_logprob=g, g_entropy=g, g_lse=None, ignore_index=-100,
+                   temperature=0.7, tma="never", need_hidden_grad=True, need_weight_grad=True)
+    torch.library.opcheck(lce_rl_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
