@@ -280,13 +280,24 @@ def _sft_paths_no_worse(inp, mode, reduction="mean", baseline_max=5e-2, out_atol
     (want,), want_grads = run(call(ref.linear_cross_entropy, reduction=reduction, **options), inp, ups,
                               dtype=torch.float64)
     (base,), base_grads = run(call(torch_lowp_cross_entropy, reduction=reduction, **options), inp, ups)
+
+    def run_path(path):
+        with expect_path(mode, sft=path == "3pass"):
+            return run(call(lce.linear_cross_entropy, reduction=reduction, tma=mode, sft_path=path, **options), inp,
+                       ups)
+
+    _paths_no_worse(run_path, ("loss",), ([want], want_grads), ([base], base_grads), baseline_max, out_atol)
+
+
+def _paths_no_worse(run_path, names, want, base, baseline_max, out_atol):
+    """``run_path(path)`` -> (outputs, grads) on both gradient paths: the outputs (``names``), d_hidden and
+    d_weight each within 2x torch's error (``base``: its outputs and grads) of fp64 (``want``), and the two paths'
+    grads within a few bf16 roundings of each other."""
     got = {}
     for path in ("3pass", "4pass"):
-        with expect_path(mode, sft=path == "3pass"):
-            (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, tma=mode, sft_path=path,
-                                      **options), inp, ups)
-        _no_worse_than_torch([loss, *grads[:2]], [base, *base_grads[:2]], [want, *want_grads[:2]],
-                             ("loss",) + GRADS, baseline_max, out_atol)
+        outs, grads = run_path(path)
+        _no_worse_than_torch([*outs, *grads[:2]], [*base[0], *base[1][:2]], [*want[0], *want[1][:2]], names + GRADS,
+                             baseline_max, out_atol)
         got[path] = grads
     for name, a, b in zip(GRADS, got["3pass"], got["4pass"]):
         assert rel_err(a, b) < 5e-3, f"{name}: 3-pass vs 4-pass"
@@ -338,15 +349,12 @@ def _rl_paths_no_worse(inp, ups, mode, baseline_max=5e-2, out_atol=1e-5):
     fn = dict(temperature=0.7, tma=mode)
     want, want_grads = run(call(ref.linear_logprobs_entropy, temperature=0.7), inp, ups, dtype=torch.float64)
     base, base_grads = run(call(torch_lowp_logprobs_entropy, temperature=0.7), inp, ups)
-    got = {}
-    for path in ("3pass", "4pass"):
+
+    def run_path(path):
         with expect_path(mode, sft=False, rl=path == "3pass"):
-            outs, grads = run(call(lce.linear_logprobs_entropy, grad_path=path, **fn), inp, ups)
-        _no_worse_than_torch([*outs, *grads[:2]], [*base, *base_grads[:2]], [*want, *want_grads[:2]],
-                             ("logprob", "entropy") + GRADS, baseline_max, out_atol)
-        got[path] = grads
-    for name, a, b in zip(GRADS, got["3pass"], got["4pass"]):
-        assert rel_err(a, b) < 5e-3, f"{name}: 3-pass vs 4-pass"
+            return run(call(lce.linear_logprobs_entropy, grad_path=path, **fn), inp, ups)
+
+    _paths_no_worse(run_path, ("logprob", "entropy"), (want, want_grads), (base, base_grads), baseline_max, out_atol)
 
 
 @pytest.mark.parametrize("mode", ["always", "never"])

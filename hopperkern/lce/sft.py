@@ -31,9 +31,9 @@ Memory rule (``sft_path="auto"``): the 3-pass path runs from ``MIN_TOKENS_3PASS`
 where the forward keeps fp32 logits) when its extra memory, :func:`extra_bytes` (the kept d(logits), N x V in the
 inputs' dtype, plus the larger of the forward's scratch (the per-tile maxima, or the fp32 logits chunk) and the
 backward's fp32 d_hidden (and, for fp32 inputs, d_weight slice)), is at most :func:`budget_bytes` = V x H x 4
-bytes (an fp32 copy of the weight) + ``EXTRA_BUDGET`` (512 MiB). Otherwise, and always for ``reduction="none"``,
-per-token outputs (``linear_logprobs_entropy``) and vocab-parallel calls, the 4-pass path runs (extra memory
-O(N H) + 128 MiB).
+bytes (an fp32 copy of the weight) + ``EXTRA_BUDGET`` (512 MiB). Otherwise, and always for ``reduction="none"``
+and vocab-parallel calls, the 4-pass path runs (extra memory O(N H) + 128 MiB). Per-token log-probs and entropies
+(``linear_logprobs_entropy``) have a 3-pass path of their own under the same memory rule (:mod:`.rl`).
 """
 
 from __future__ import annotations
