@@ -41,9 +41,10 @@ __all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "check_grad_path", "use_3pass", "lc
 GRAD_PATHS = ("auto", "3pass", "4pass")
 # "auto" takes the 3-pass path from this hidden size. It trades the backward's recomputed logits (2 N V H FLOPs)
 # for streaming the kept N x V buffer (written by the forward, read and rewritten by the backward), which only pays
-# where H is large enough. Measured on the H200 (bf16, one run), forward + backward / 4G, 3-pass vs 4-pass: 0.94 vs
-# 1.15 to 1.20 at H = 4096 and 3584, 1.01 vs 1.15 at 2304, 0.82 vs 0.98 at 1937 x 3584 x 152064, but 1.10 vs 1.06
-# at 2169 x 896 x 151936. Between 896 and 2304 nothing was measured: the threshold keeps the 4-pass path there.
+# where H is large enough. Measured on the H200 (bf16, benchmarks/bench_lce.py), forward + backward / 4G, 3-pass vs
+# 4-pass: 0.84 to 0.91 vs 1.08 to 1.11 at H = 4096, 3584 and 2304, 0.94 vs 1.17 at 1937 x 3584 x 152064, but
+# 1.16 vs 1.16 at 2169 x 896 x 151936. Between 896 and 2304 nothing was measured: the threshold keeps the 4-pass
+# path there.
 MIN_HIDDEN_3PASS = 2048
 _RL_OP = "lce.rl_dlogits"  # the in-place d(logits) launch's name in tma.last_decision
 # The in-place pass's tiles: as the SFT fix-up's (same bytes per logit), measured there on the H200.
