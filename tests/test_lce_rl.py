@@ -298,6 +298,18 @@ def test_memory_rule_on_real_shapes(N, H, V, dtype, three):
     assert rl.use_3pass("3pass", N, V, H, dtype) and not rl.use_3pass("4pass", N, V, H, dtype)
 
 
+def test_forward_config():
+    """From MIN_TOKENS_NARROW_TILES tokens a 128 x 256 forward runs as 128 x 128 x 64, 8 warps, 4 stages (group and
+    flatten kept); below it, and smaller tiles at any size, as tuned."""
+    wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, flatten=True)
+    narrow = rl.forward_config(wide, rl.MIN_TOKENS_NARROW_TILES)
+    assert (narrow.block_m, narrow.block_n, narrow.block_k, narrow.num_warps, narrow.num_stages) == (128, 128, 64, 8, 4)
+    assert (narrow.group_m, narrow.flatten) == (8, True)
+    assert rl.forward_config(wide, rl.MIN_TOKENS_NARROW_TILES - 1) == wide
+    small = KernelConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+    assert rl.forward_config(small, 10**6) == small
+
+
 def test_forward_block_v():
     """The tile width read back from the per-tile maxima's column count is the config's, for every power-of-two
     width at several V; a count no width gives raises."""

@@ -370,18 +370,6 @@ def test_store_arguments_are_checked():
     launch.lce_forward(*args, config=cfg, need_entropy=False, e_out=(e, mt))  # the good one runs
 
 
-def test_store_e_config():
-    """From MIN_TOKENS_NARROW_TILES tokens a 128 x 256 forward that stores its exponentials runs as 128 x 128 x 64,
-    8 warps, 4 stages (group and flatten kept); below it, and smaller tiles at any size, as tuned."""
-    wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, flatten=True)
-    narrow = sft.store_e_config(wide, sft.MIN_TOKENS_NARROW_TILES)
-    assert (narrow.block_m, narrow.block_n, narrow.block_k, narrow.num_warps, narrow.num_stages) == (128, 128, 64, 8, 4)
-    assert (narrow.group_m, narrow.flatten) == (8, True)
-    assert sft.store_e_config(wide, sft.MIN_TOKENS_NARROW_TILES - 1) == wide
-    small = KernelConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
-    assert sft.store_e_config(small, 10**6) == small
-
-
 def test_store_z_config():
     """The logits-storing forward keeps tiles under 128 x 128 and re-tiles larger ones to the 128 x 128 x 64,
     8-warp, 4-stage config that compiles for sm_90 without spills within its shared memory."""

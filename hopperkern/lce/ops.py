@@ -17,8 +17,9 @@ from torch import Tensor
 
 from ..tma import launch_context
 from .launch import LceOptions, check_labels, lce_backward, lce_forward, pick_config
+from .rl import forward_config as rl_forward_config
 from .rl import lce_rl_backward, lce_rl_forward
-from .sft import lce_sft_backward, lce_sft_forward, padded_cols, store_e_config
+from .sft import lce_sft_backward, lce_sft_forward, padded_cols
 
 
 _OPTS: dict = {}
@@ -243,7 +244,7 @@ def lce_rl_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_ind
 @lce_rl_forward_op.register_fake
 def _(hidden, weight, labels, ignore_index, temperature, tma, check):
     n, (v, h) = hidden.shape[0], weight.shape
-    cfg = store_e_config(pick_config("forward", hidden.dtype, n, h, hidden.device), n)  # the real call's: host only
+    cfg = rl_forward_config(pick_config("forward", hidden.dtype, n, h, hidden.device), n)  # the real call's: host only
     stats = tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(4))
     return (*stats, hidden.new_empty((n, padded_cols(v))),
             hidden.new_empty((n, (v + cfg.block_n - 1) // cfg.block_n), dtype=torch.float32))

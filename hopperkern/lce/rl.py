@@ -30,13 +30,14 @@ import torch
 from .. import tma as _tma
 from .._host import cdiv
 from .._validate import check_choice
+from ..tuning import KernelConfig
 from ._kernels import lce_exp_dlogits_kernel
 from .launch import LceOptions, lce_forward, pick_config
 from . import sft as _sft
 from .sft import _FIXUP_POINTER, budget_bytes, extra_bytes, lce_sft_backward, padded_cols
 
-__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "check_grad_path", "use_3pass", "lce_rl_forward", "lce_rl_backward",
-           "forward_block_v"]
+__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_TOKENS_NARROW_TILES", "check_grad_path", "use_3pass", "forward_config",
+           "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
 
 GRAD_PATHS = ("auto", "3pass", "4pass")
 # "auto" takes the 3-pass path from this hidden size. It trades the backward's recomputed logits (2 N V H FLOPs)
@@ -46,6 +47,12 @@ GRAD_PATHS = ("auto", "3pass", "4pass")
 # 1.16 vs 1.16 at 2169 x 896 x 151936. Between 896 and 2304 nothing was measured: the threshold keeps the 4-pass
 # path there.
 MIN_HIDDEN_3PASS = 2048
+# The forward that stores its exponentials and entropy terms at 128 x 256 tiles spills 690-750 registers per
+# thread on sm_90 (benchmarks/compile_lce_sm90.py, store=et); 128 x 128 x 64 with 8 warps and 4 stages spills none.
+# Measured on the H200 (bf16, one run), forward + backward / 4G with those tiles instead of the tuned 128 x 256:
+# 0.90 vs 0.94 at 8192 x 4096, 0.91 vs 0.94 at 16384 x 3584, 0.97 vs 1.01 at 8192 x 2304, level at 32768 x 4096,
+# but 0.85 vs 0.82 at 1937 x 3584: taken from this many tokens.
+MIN_TOKENS_NARROW_TILES = 4096
 _RL_OP = "lce.rl_dlogits"  # the in-place d(logits) launch's name in tma.last_decision
 # The in-place pass's tiles: as the SFT fix-up's (same bytes per logit), measured there on the H200.
 _BLOCKS, _BLOCKS_INTERPRETED = (32, 128), (16, 32)
@@ -78,6 +85,14 @@ def use_3pass(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> boo
     return N >= _sft.MIN_TOKENS_3PASS and extra_bytes(N, V, H, elem) <= budget_bytes(V, H)
 
 
+def forward_config(cfg: KernelConfig, N: int) -> KernelConfig:
+    """The 3-pass forward's launch config from the tuned forward config ``cfg``: from ``MIN_TOKENS_NARROW_TILES``
+    tokens, tiles of 128 x 256 or more run as 128 x 128 x 64 with 8 warps and 4 stages (no register spills with the
+    stores); otherwise, and for smaller tiles (fp32 inputs, the interpreter), as tuned."""
+    if N < MIN_TOKENS_NARROW_TILES or cfg.block_m * cfg.block_n < 128 * 256:
+        return cfg
+    return cfg.model_copy(update=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4))
+
 
 def forward_block_v(V: int, num_tiles: int) -> int:
     """The forward's vocab tile width behind per-tile maxima of ``num_tiles`` columns: the smallest power of two
@@ -94,12 +109,12 @@ def forward_block_v(V: int, num_tiles: int) -> int:
 def lce_rl_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, opts: LceOptions):
     """``(loss, logprob, entropy, lse, e, mt)``: the per-token fp32 outputs of :func:`.launch.lce_forward` (label
     logit picked from the tiles, entropy computed) and what the backward keeps: ``e`` [N, padded_cols(V)] in the
-    inputs' dtype (columns >= V unused) and ``mt`` fp32 [N, cdiv(V, block_n)], at the tiles of :func:`.sft.store_e_config`. Inputs must be validated already."""
+    inputs' dtype (columns >= V unused) and ``mt`` fp32 [N, cdiv(V, block_n)]. Inputs must be validated already."""
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev = hidden2d.device
-    cfg = _sft.store_e_config(pick_config("forward", hidden2d.dtype, N, H, dev), N)
+    cfg = forward_config(pick_config("forward", hidden2d.dtype, N, H, dev), N)
     e = torch.empty((N, padded_cols(V)), dtype=hidden2d.dtype, device=dev)
     mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=dev)
     if N == 0:

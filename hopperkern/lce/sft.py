@@ -48,7 +48,7 @@ from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
-           "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "store_e_config", "MIN_TOKENS_NARROW_TILES", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
+           "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
 
 SFT_PATHS = ("auto", "3pass", "4pass")
 EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
@@ -162,25 +162,6 @@ def store_z_config(cfg: KernelConfig) -> KernelConfig:
     return cfg.model_copy(update=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4))
 
 
-# A forward that stores its exponentials at 128 x 256 tiles spills 520 to 1890 registers per thread on sm_90
-# (benchmarks/compile_lce_sm90.py, store=e and store=et); 128 x 128 x 64 with 8 warps and 4 stages spills none
-# (at most 8). Measured on the H200 (bf16, one run), forward + backward with those tiles instead of the tuned
-# 128 x 256, log-probs + entropy / 4G: 0.90 vs 0.94 at 8192 x 4096, 0.91 vs 0.94 at 16384 x 3584, 0.97 vs 1.01 at
-# 8192 x 2304, level at 32768 x 4096, but 0.85 vs 0.82 at 1937 x 3584; SFT sum loss / 3G: 1.14 vs 1.16, 1.23 vs
-# 1.28 at 8192 x 2304, level at 32768 x 4096 and 16384 x 3584. Taken from this many tokens.
-MIN_TOKENS_NARROW_TILES = 4096
-
-
-def store_e_config(cfg: KernelConfig, N: int) -> KernelConfig:
-    """The launch config of a forward that stores its exponentials (STORE_E: this module's SFT path and the RL
-    path of :mod:`.rl`) from the tuned forward config ``cfg``: from ``MIN_TOKENS_NARROW_TILES`` tokens, tiles of
-    128 x 256 or more run as 128 x 128 x 64 with 8 warps and 4 stages (no register spills beside the stores);
-    otherwise, and for smaller tiles (fp32 inputs, the interpreter), as tuned."""
-    if N < MIN_TOKENS_NARROW_TILES or cfg.block_m * cfg.block_n < 128 * 256:
-        return cfg
-    return cfg.model_copy(update=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4))
-
-
 def _row_blocks() -> tuple[int, int]:
     # The d(logits) kernel is memory-bound: wide tiles for the GPU, small ones for the interpreter (cost per tile).
     return (16, 32) if _tma.interpreter_active() else (32, 256)
@@ -249,7 +230,7 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     the exponentials, then the in-place fix-up (bf16 or fp32, no softcap, no label smoothing)."""
     N, H = hidden2d.shape
     V = weight.shape[0]
-    cfg = config or store_e_config(pick_config("forward", hidden2d.dtype, N, H, hidden2d.device), N)
+    cfg = config or pick_config("forward", hidden2d.dtype, N, H, hidden2d.device)
     mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=hidden2d.device)
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
                                         pick_label=True, e_out=(dl, mt))
