@@ -91,9 +91,9 @@ def main() -> int:
     for tma in (False, True):
         bn, bv = rl._BLOCKS  # the shipped tiles
         comp(f"lce_exp_dlogits {bn}x{bv} tma={int(tma)}", K.lce_exp_dlogits_kernel,
-             dict(d_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32", gl_ptr="fp32",
-                  gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", logprob_ptr="fp32", N=512, V=V, stride_dn=V,
-                  stride_mt=1024, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
+             dict(d_ptr="bf16", out_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32",
+                  gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", logprob_ptr="fp32", N=512, V=V,
+                  stride_dn=V, stride_on=V, stride_mt=1024, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
              dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False,
                   D_TMA=tma), 4, 1)
     for bv, bh, bk, _, w, st in [sft.DW_TILES, sft.DW_TILES_NARROW, (128, 128, 64, 8, 8, 4)]:

@@ -396,3 +396,14 @@ def test_rl_3pass_memory_within_its_budget():
     extra = torch.cuda.max_memory_allocated() - base
     budget = sft.budget_bytes(V, H) + (N * H + V * H) * 2 + 32 * 2**20
     assert extra <= budget, f"3-pass peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+def test_bf16_rl_3pass_narrow_tiles(monkeypatch):
+    """The 3-pass forward's 128 x 128 x 64 tiles (rl.forward_config, taken from 4096 tokens) at a real size: both
+    gradient paths within 2x torch's bf16 error of fp64, and each other."""
+    from hopperkern.lce import rl
+
+    monkeypatch.setattr(rl, "MIN_TOKENS_NARROW_TILES", 1)
+    shape = SFT_SHAPES[0].values[0]
+    ups = [upstream((shape[0],), seed=2, device=DEV), upstream((shape[0],), seed=3, device=DEV)]
+    _rl_paths_no_worse(_inputs(shape), ups, "always")

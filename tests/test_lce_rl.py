@@ -35,7 +35,7 @@ from test_lce import (
 from hopperkern import lce, tma
 from hopperkern.lce import launch, rl, sft
 from hopperkern.lce import reference as ref
-from hopperkern.lce.ops import lce_rl_backward_op, lce_rl_forward_op
+from hopperkern.lce.ops import lce_rl_backward_functional_op, lce_rl_backward_op, lce_rl_forward_op
 from hopperkern.tuning import KernelConfig
 
 THREE, FOUR = dict(grad_path="3pass"), dict(grad_path="4pass")
@@ -84,6 +84,15 @@ def test_3pass_exponentials_with_vocab_splits(mode, monkeypatch):
     monkeypatch.setattr(launch, "forward_plan", lambda *args: asked.append(args) or (3, 3))
     check_fp32(mode, _lpe(mode, **THREE), REF, make_inputs(SHAPE, ignore=0.3), _ups("both"), path=dict(rl=True))
     assert asked, "the forward must take its splits from forward_plan"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_3pass_backward_tiles_narrower_than_forward_tiles(mode, monkeypatch):
+    """A forward at 64-wide vocab tiles (3 row blocks x 2 tiles at V = 100) under the backward's 32-wide tiles: two
+    backward tiles read each tile's max, and the grads match the reference."""
+    cfg = KernelConfig(block_m=16, block_n=64, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    monkeypatch.setattr(rl, "pick_config", lambda *args: cfg)
+    check_fp32(mode, _lpe(mode, **THREE), REF, make_inputs(SHAPE, ignore=0.3), _ups("both"), path=dict(rl=True))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -269,12 +278,15 @@ def test_auto_path_follows_the_memory_rule(monkeypatch):
     """"auto" takes the 3-pass path at interpreter sizes once the token and hidden-size thresholds are lowered,
     and the 4-pass path below either, under no_grad the plain forward."""
     inp = make_inputs(SMALL)
-    for tokens, hidden, path in ((1, 1, dict(rl=True)), (SMALL[0] + 1, 1, dict(sft=False)),
-                                 (1, SMALL[2] + 1, dict(sft=False))):
+    for tokens, hidden, budget, path in ((1, 1, None, dict(rl=True)), (SMALL[0] + 1, 1, None, dict(sft=False)),
+                                         (1, SMALL[2] + 1, None, dict(sft=False)), (1, 1, 0, dict(sft=False))):
         monkeypatch.setattr(sft, "MIN_TOKENS_3PASS", tokens)
         monkeypatch.setattr(rl, "MIN_HIDDEN_3PASS", hidden)
+        monkeypatch.setattr(rl, "budget_bytes", sft.budget_bytes if budget is None else lambda V, H: budget)
         with expect_path("never", **path):
             run(_lpe("never"), inp, _ups("both", SMALL[0]))
+    with expect_path("never", sft=False):  # fp16 under "auto": the 4-pass path at any size
+        run(_lpe("never"), make_inputs(SMALL, torch.float16), _ups("both", SMALL[0]))
     with torch.no_grad(), expect_path("never", backward=False):
         lce.linear_logprobs_entropy(inp.hidden, inp.weight, inp.labels, tma="never", **THREE)
 
@@ -294,7 +306,9 @@ def test_memory_rule_on_real_shapes(N, H, V, dtype, three):
     elem = torch.finfo(dtype).bits // 8
     assert rl.use_3pass("auto", N, V, H, dtype) is three
     assert three is (N >= sft.MIN_TOKENS_3PASS and H >= rl.MIN_HIDDEN_3PASS
-                     and sft.extra_bytes(N, V, H, elem) <= sft.budget_bytes(V, H))
+                     and rl.extra_bytes(N, V, H, elem) <= sft.budget_bytes(V, H))
+    # the per-tile maxima stay beside the backward's fp32 d_hidden: counted once more than on the SFT path
+    assert rl.extra_bytes(N, V, H, elem) == sft.extra_bytes(N, V, H, elem) + N * -(-V // 64) * 4
     assert rl.use_3pass("3pass", N, V, H, dtype) and not rl.use_3pass("4pass", N, V, H, dtype)
 
 
@@ -321,6 +335,8 @@ def test_forward_block_v():
                 assert got == width
     with pytest.raises(ValueError, match="no power-of-two vocab tile"):
         rl.forward_block_v(100, 5)
+    with pytest.raises(ValueError, match="at least one column"):
+        rl.forward_block_v(100, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,6 +363,32 @@ def test_3pass_torch_compile_fullgraph():
     check_grads(grads[:2], want_grads[:2], 1e-6)
 
 
+def test_3pass_compiled_backward_keeps_its_inputs():
+    """Compiled with Inductor and donated buffers off (what torch's own retain_graph error advises), the traced
+    backward writes d(logits) to a buffer of its own: a second backward through the retained graph equals the first,
+    and both equal eager."""
+    torch._dynamo.reset()
+
+    def step(x, w, labels):
+        return lce.linear_logprobs_entropy(torch.tanh(x) * 3.0, w, labels, temperature=0.7, tma="never", **THREE)
+
+    inp = make_inputs(SMALL, ignore=0.2)
+    h, w = _leaves(inp)
+    g_lp, g_ent = _ups("both", SMALL[0])
+    lp, ent = step(h, w, inp.labels)
+    want = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent))
+    try:
+        with torch._functorch.config.patch(donated_buffer=False):
+            lp, ent = torch.compile(step, fullgraph=True, backend="inductor")(h, w, inp.labels)
+            first = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent), retain_graph=True)
+            second = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent))
+    finally:
+        torch._dynamo.reset()
+    check_grads(first, want, 1e-6)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 def test_rl_custom_ops_opcheck():
     """torch.library.opcheck: schema, autograd registration and fake kernels of both ops agree with the real
     ones (the backward's in-place write of e declared)."""
@@ -362,3 +404,4 @@ def test_rl_custom_ops_opcheck():
                    entropy=ent, logprob=lp, g_loss=None, g_logprob=g, g_entropy=g, g_lse=None, ignore_index=-100,
                    temperature=0.7, tma="never", need_hidden_grad=True, need_weight_grad=True)
     torch.library.opcheck(lce_rl_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(lce_rl_backward_functional_op, bwd, test_utils=("test_schema", "test_faketensor"))

@@ -80,10 +80,11 @@ def lce_forward_kernel(
     also written to ``z`` (columns >= V clipped), from which lce_sft_dlogits_kernel forms d(logits) once the LSE
     is known.
 
-    STORE_E (the 3-pass SFT path without softcap): every tile's e = exp(z - m), the exponentials the running sum
-    takes anyway, with m the row's running max after this tile, is written to ``z`` in its dtype (the inputs':
-    bf16 keeps 8 bits of e in [1e-38, 1], a relative error of 2^-9 at every size), and m to ``mt[n, vt]``. Then
-    p = e exp(m - lse) once the LSE is known (lce_sft_fixup_kernel, in place): 2 bytes per logit each way, and
+    STORE_E (the 3-pass SFT path without softcap, and the 3-pass path of log-probs and entropies,
+    :mod:`hopperkern.lce.rl`): every tile's e = exp(z - m), the exponentials the running sum takes anyway, with m
+    the row's running max after this tile, is written to ``z`` in its dtype (the inputs': bf16 keeps 8 bits of e
+    in [1e-38, 1], a relative error of 2^-9 at every size), and m to ``mt[n, vt]``. Then p = e exp(m - lse) once
+    the LSE is known (lce_sft_fixup_kernel or lce_exp_dlogits_kernel, in place): 2 bytes per logit each way, and
     the tile of 16-bit values is staged through shared memory at the forward's own tiling (an fp32 tile at
     128 x 256 would not fit beside the operand pipeline).
     """
@@ -487,17 +488,18 @@ def lce_sft_fixup_kernel(
 
 @triton.jit
 def lce_exp_dlogits_kernel(
-    d_ptr,  # [N, ld_d] in: e = exp(z - m) from lce_forward_kernel (STORE_E); out, in place: d(logits)
+    d_ptr,  # [N, ld_d] e = exp(z - m) from lce_forward_kernel (STORE_E)
+    out_ptr,  # [N, ld_o] out: d(logits); d_ptr itself (in place) or another buffer
     mt_ptr,  # [N, ld_mt] fp32: the running max m behind each vocab tile's e (STORE_E)
     labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # as in lce_dlogits_kernel
     logprob_ptr,  # [N] fp32 log p of the label from the forward's combine (z_label - lse)
-    N, V, stride_dn, stride_mt, ignore_index, label_smoothing, z_loss, inv_temp,
+    N, V, stride_dn, stride_on, stride_mt, ignore_index, label_smoothing, z_loss, inv_temp,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, FWD_BLOCK_V: tl.constexpr,
     HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
     D_TMA: tl.constexpr,
 ):
-    """d(logits) under per-token upstream gradients, in place over the forward's stored exponentials: the 3-pass
-    path of per-token outputs (log-probs and entropies, :mod:`hopperkern.lce.rl`). Grid (cdiv(N, BLOCK_N),
+    """d(logits) under per-token upstream gradients from the forward's stored exponentials, in place or into
+    ``out``: the 3-pass path of per-token outputs (log-probs and entropies, :mod:`hopperkern.lce.rl`). Grid (cdiv(N, BLOCK_N),
     cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile within one of the forward's FWD_BLOCK_V-wide
     vocab tiles (BLOCK_V divides FWD_BLOCK_V).
 
@@ -530,7 +532,8 @@ def lce_exp_dlogits_kernel(
         coef = coef + b[:, None] * z
     dz = (p * coef + d[:, None] + tl.where(at_label, c[:, None], 0.0)) * inv_temp
     # Rows >= N and columns >= V are clipped by the store on both paths.
-    store_2d(d_src, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)
+    o_dst = tile_source_2d(out_ptr, N, V, stride_on, BLOCK_N, BLOCK_V, D_TMA)
+    store_2d(o_dst, dz.to(out_ptr.dtype.element_ty), row0, col0, N, V, stride_on, 1, BLOCK_N, BLOCK_V, D_TMA)
 
 
 @triton.jit

@@ -194,14 +194,16 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     by torch.compile (runs eagerly). Tested so far on CPUs with gloo under Triton's interpreter only, not with NCCL.
 
     ``grad_path``: "auto" | "3pass" | "4pass": how a differentiable call computes its gradients. "3pass": the
-    forward also keeps the exponentials of the logits it computes anyway, N x V in the inputs' dtype, and the
-    backward forms d(logits) from them in place, then runs two GEMMs (three passes over the vocab; bf16 and fp32
-    inputs; a second backward through the same graph raises). "4pass": the backward recomputes the logits (extra
-    memory O(N H) + 128 MiB). "auto" (default) takes "3pass" for bf16 and fp32 inputs from
-    ``sft.MIN_TOKENS_3PASS`` tokens (1536) when N x V x itemsize plus scratch (``sft.extra_bytes``) is at most
-    V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass"; fp16 inputs and ``process_group`` always take
-    "4pass" ("3pass" raises TypeError and ValueError there). No-grad calls run the plain forward either way. See
-    :mod:`hopperkern.lce.rl`.
+    forward also keeps the exponentials of the logits it computes anyway, N x V in the inputs' dtype, until the
+    backward, which forms d(logits) from them in place and runs two GEMMs (three passes over the vocab; bf16 and
+    fp32 inputs). That backward consumes what was kept: call it once per forward (a second backward through the
+    same graph, ``retain_graph=True``, raises RuntimeError), and several differentiable forwards before one backward
+    hold N x V each. "4pass": the backward recomputes the logits (extra memory O(N H) + 128 MiB; any number of
+    backwards). "auto" (default) takes "3pass" for bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens (1536)
+    and ``rl.MIN_HIDDEN_3PASS`` hidden units (2048) when N x V x itemsize plus scratch (``rl.extra_bytes``) is at
+    most V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass"; fp16 inputs (after autocast) and
+    ``process_group`` always take "4pass" ("3pass" raises TypeError and ValueError there). No-grad calls run the
+    plain forward either way. See :mod:`hopperkern.lce.rl`.
     """
     key = _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group,
                       grad_path)

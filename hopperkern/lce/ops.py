@@ -234,7 +234,8 @@ def _rl_opts(ignore_index, temperature, tma) -> LceOptions:
 def lce_rl_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, temperature: float, tma: str,
                       check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, logprob, entropy, lse, e, mt): the per-token fp32 outputs and the exponentials and per-tile maxima
-    the backward forms d(logits) from; see :func:`rl.lce_rl_forward`."""
+    the backward forms d(logits) from; see :func:`rl.lce_rl_forward`. ``e`` and ``mt`` are for the backward op
+    only: a compiled region must not return them (the public functions drop them)."""
     with launch_context(hidden, "hopperkern.lce"):
         if check:
             check_labels(labels, weight.shape[0], ignore_index)
@@ -244,19 +245,22 @@ def lce_rl_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_ind
 @lce_rl_forward_op.register_fake
 def _(hidden, weight, labels, ignore_index, temperature, tma, check):
     n, (v, h) = hidden.shape[0], weight.shape
-    cfg = rl_forward_config(pick_config("forward", hidden.dtype, n, h, hidden.device), n)  # the real call's: host only
+    # The real call's config lookup (host only), so mt's width matches; it depends on N's token bucket, so a
+    # dynamic N specialises on it.
+    cfg = rl_forward_config(pick_config("forward", hidden.dtype, n, h, hidden.device), n)
     stats = tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(4))
     return (*stats, hidden.new_empty((n, padded_cols(v))),
             hidden.new_empty((n, (v + cfg.block_n - 1) // cfg.block_n), dtype=torch.float32))
 
 
-@torch.library.custom_op("hopperkern::lce_rl_backward", mutates_args=("e",))
+@torch.library.custom_op("hopperkern::lce_rl_backward", mutates_args=("e", "mt"))
 def lce_rl_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, e: Tensor, mt: Tensor, lse: Tensor,
                        entropy: Tensor, logprob: Tensor, g_loss: Optional[Tensor], g_logprob: Optional[Tensor],
                        g_entropy: Optional[Tensor], g_lse: Optional[Tensor], ignore_index: int, temperature: float,
                        tma: str, need_hidden_grad: bool, need_weight_grad: bool) -> tuple[Tensor, Tensor]:
     """(d_hidden, d_weight) from what lce_rl_forward kept and fp32 [N] upstream gradients of its per-token outputs;
-    ``e`` is overwritten with d(logits). A gradient that is not needed comes back as an empty tensor."""
+    ``e`` is overwritten with d(logits) and ``mt`` with NaN (the pair serves one backward). A gradient that is not
+    needed comes back as an empty tensor."""
     with launch_context(hidden, "hopperkern.lce backward"):
         grads = lce_rl_backward(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy,
                                 g_lse, _rl_opts(ignore_index, temperature, tma), need_hidden_grad=need_hidden_grad,
@@ -264,17 +268,36 @@ def lce_rl_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, e: Tensor
     return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
 
 
-@lce_rl_backward_op.register_fake
-def _(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse, ignore_index,
-      temperature, tma, need_hidden_grad, need_weight_grad):
+@torch.library.custom_op("hopperkern::lce_rl_backward_functional", mutates_args=())
+def lce_rl_backward_functional_op(hidden: Tensor, weight: Tensor, labels: Tensor, e: Tensor, mt: Tensor, lse: Tensor,
+                                  entropy: Tensor, logprob: Tensor, g_loss: Optional[Tensor],
+                                  g_logprob: Optional[Tensor], g_entropy: Optional[Tensor], g_lse: Optional[Tensor],
+                                  ignore_index: int, temperature: float, tma: str, need_hidden_grad: bool,
+                                  need_weight_grad: bool) -> tuple[Tensor, Tensor]:
+    """lce_rl_backward_op without side effects, for traced backwards: d(logits) goes to a buffer of its own and
+    ``e``, ``mt`` are left as they are (a traced in-place update would be written back over them unchecked)."""
+    with launch_context(hidden, "hopperkern.lce backward"):
+        grads = lce_rl_backward(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy,
+                                g_lse, _rl_opts(ignore_index, temperature, tma), need_hidden_grad=need_hidden_grad,
+                                need_weight_grad=need_weight_grad, in_place=False)
+    return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
+
+
+def _rl_fake_backward(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
+                      ignore_index, temperature, tma, need_hidden_grad, need_weight_grad):
     return _fake_grads(hidden, weight, None, need_hidden_grad, need_weight_grad)[:2]
+
+
+lce_rl_backward_op.register_fake(_rl_fake_backward)
+lce_rl_backward_functional_op.register_fake(_rl_fake_backward)
 
 
 def _rl_setup_context(ctx, inputs, output):
     hidden, weight, labels = inputs[:3]
     _, logprob, entropy, lse, e, mt = output
     ctx.mark_non_differentiable(e, mt)
-    # The backward overwrites e: a second backward through this graph then fails autograd's version check.
+    # An eager backward overwrites e and mt: a second backward through this graph then fails autograd's version
+    # check.
     ctx.save_for_backward(hidden, weight, labels, e, mt, lse, entropy, logprob)
     ctx.opts = tuple(inputs[3:6])
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None: a term the kernel skips
@@ -287,7 +310,10 @@ def _rl_backward(ctx, g_loss, g_logprob, g_entropy, g_lse, _e, _mt):
            for x in (g_loss, g_logprob, g_entropy, g_lse)]
     if not (need_h or need_w) or all(x is None for x in ups):
         return (None,) * 7
-    dh, dw = lce_rl_backward_op(hidden, weight, labels, e, mt, lse, entropy, logprob, *ups, *ctx.opts, need_h, need_w)
+    # Eager: in place (version-checked). Traced: into a buffer of its own, as functionalisation would write an
+    # in-place update back over the saved tensors without the check.
+    op = lce_rl_backward_functional_op if torch.compiler.is_compiling() else lce_rl_backward_op
+    dh, dw = op(hidden, weight, labels, e, mt, lse, entropy, logprob, *ups, *ctx.opts, need_h, need_w)
     return (dh if need_h else None, dw if need_w else None) + (None,) * 5
 
 

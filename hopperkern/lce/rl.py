@@ -14,13 +14,17 @@ term p (E - z) g_entropy); d(logits) is rounded once more. The GPU tests bound t
 PyTorch. fp16 inputs keep the 4-pass path (fp16 e loses its relative precision below 6.1e-5), and so do calls
 with a ``process_group`` (vocab-parallel).
 
-The kept buffer is mutated by the backward: a second backward through the same graph (``retain_graph=True``)
-raises autograd's error about a saved tensor modified in place; ``grad_path="4pass"`` allows it.
+In eager mode the backward mutates the kept buffers (e becomes d(logits), the maxima NaN): a second backward
+through the same graph (``retain_graph=True``) raises autograd's error about a saved tensor modified in place;
+``grad_path="4pass"`` allows it. A backward traced by torch.compile writes d(logits) to a buffer of its own
+instead (N x V more memory during the backward, and any number of backwards), since a traced in-place update
+would be written back over the kept buffer without a version check. Each differentiable forward holds its N x V
+buffer until its backward: several forwards before one backward (micro-batches) hold one each.
 
 Rule (``grad_path="auto"``): bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS``
-hidden units (below it the recomputed logits cost less than the extra streaming), when :func:`.sft.extra_bytes`
-(the kept N x V buffer, the per-tile maxima, the backward's fp32 d_hidden) is at most :func:`.sft.budget_bytes` =
-V x H x 4 bytes + 512 MiB: the SFT path's memory rule.
+hidden units (below it the recomputed logits cost less than the extra streaming), when :func:`extra_bytes` (the
+kept N x V buffer, the per-tile maxima, the backward's fp32 d_hidden) is at most :func:`.sft.budget_bytes` =
+V x H x 4 bytes + 512 MiB: the SFT path's memory budget.
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ from ..tuning import KernelConfig
 from ._kernels import lce_exp_dlogits_kernel
 from .launch import LceOptions, lce_forward, pick_config
 from . import sft as _sft
-from .sft import _FIXUP_POINTER, budget_bytes, extra_bytes, lce_sft_backward, padded_cols
+from .sft import _FIXUP_POINTER, budget_bytes, lce_sft_backward, padded_cols
 
-__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_TOKENS_NARROW_TILES", "check_grad_path", "use_3pass", "forward_config",
-           "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
+__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_TOKENS_NARROW_TILES", "check_grad_path", "use_3pass", "extra_bytes",
+           "forward_config", "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
 
 GRAD_PATHS = ("auto", "3pass", "4pass")
 # "auto" takes the 3-pass path from this hidden size. It trades the backward's recomputed logits (2 N V H FLOPs)
@@ -68,21 +72,30 @@ def check_grad_path(grad_path, dtype: torch.dtype, *, sharded: bool = False) -> 
         raise ValueError("grad_path must be 'auto' or '4pass' with a process_group (vocab-parallel), got '3pass' "
                          "(the 3-pass path is for an unsharded head)")
     if dtype == torch.float16:
-        raise TypeError("grad_path='3pass' needs bfloat16 or float32 inputs, got float16 (fp16 exponentials lose "
-                        "their relative precision below 6.1e-5); use 'auto' or '4pass'")
+        raise TypeError("grad_path='3pass' needs bfloat16 or float32 inputs, got float16 (after autocast, if it is "
+                        "on; fp16 exponentials lose their relative precision below 6.1e-5); use 'auto' or '4pass'")
 
 
 def use_3pass(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> bool:
-    """Whether a differentiable call takes the 3-pass path: ``"3pass"`` always (bf16 and fp32), ``"4pass"`` never,
-    ``"auto"`` for bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS`` hidden units
-    when :func:`.sft.extra_bytes` <= :func:`.sft.budget_bytes`."""
+    """Whether a differentiable call takes the 3-pass path: ``"3pass"`` for bf16 and fp32 inputs (fp16 is refused
+    first, :func:`check_grad_path`), ``"4pass"`` never, ``"auto"`` for bf16 and fp32 inputs from
+    ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS`` hidden units when :func:`extra_bytes` <=
+    :func:`.sft.budget_bytes`."""
     check_choice("grad_path", grad_path, GRAD_PATHS)
-    if grad_path != "auto":
-        return grad_path == "3pass"
-    if dtype == torch.float16 or H < MIN_HIDDEN_3PASS:
+    if dtype == torch.float16 or grad_path == "4pass":
         return False
-    elem = torch.finfo(dtype).bits // 8
-    return N >= _sft.MIN_TOKENS_3PASS and extra_bytes(N, V, H, elem) <= budget_bytes(V, H)
+    if grad_path == "3pass":
+        return True
+    if H < MIN_HIDDEN_3PASS:
+        return False
+    return N >= _sft.MIN_TOKENS_3PASS and extra_bytes(N, V, H, torch.finfo(dtype).bits // 8) <= budget_bytes(V, H)
+
+
+def extra_bytes(N: int, V: int, H: int, elem: int) -> int:
+    """Peak extra memory of the 3-pass path beyond its inputs, outputs and gradients: :func:`.sft.extra_bytes` (the
+    kept N x V buffer plus the larger of the forward's per-tile maxima and the backward's fp32 d_hidden) plus the
+    per-tile maxima once more, which the backward reads beside its fp32 d_hidden."""
+    return _sft.extra_bytes(N, V, H, elem) + N * _sft._max_tiles(V) * 4
 
 
 def forward_config(cfg: KernelConfig, N: int) -> KernelConfig:
@@ -98,6 +111,8 @@ def forward_block_v(V: int, num_tiles: int) -> int:
     """The forward's vocab tile width behind per-tile maxima of ``num_tiles`` columns: the smallest power of two
     (at least 16) with cdiv(V, width) == num_tiles. Tile widths are powers of two, and two of them give the same
     count only when it is 1, where any width >= V reads the same column."""
+    if num_tiles < 1 or V < 1:
+        raise ValueError(f"mt must have at least one column for V = {V}, got {num_tiles}")
     width = 16
     while cdiv(V, width) > num_tiles:
         width *= 2
@@ -126,10 +141,13 @@ def lce_rl_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch
 
 
 def lce_rl_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
-                    opts: LceOptions, *, need_hidden_grad: bool = True, need_weight_grad: bool = True):
+                    opts: LceOptions, *, need_hidden_grad: bool = True, need_weight_grad: bool = True,
+                    in_place: bool = True):
     """``(d_hidden [N, H], d_weight [V, H])`` in the inputs' dtype (None where not needed) from what
     :func:`lce_rl_forward` kept and fp32 [N] upstream gradients of its per-token outputs (None for zero).
-    Overwrites ``e`` with d(logits). Extra memory: fp32 [N, H] for d_hidden."""
+    ``in_place``: overwrites ``e`` with d(logits) and ``mt`` with NaN (the pair serves one backward; extra
+    memory: fp32 [N, H] for d_hidden); otherwise d(logits) goes to a new buffer like ``e`` (extra memory: that
+    buffer too) and ``e``, ``mt`` stay as they are."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
@@ -143,12 +161,16 @@ def lce_rl_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, g_
     bv = min(bv, fwd_bv)
     d = _tma.decide(opts.tma, {"dlogits": (e, (bn, bv))}, op=_RL_OP, auto_pointer=_FIXUP_POINTER)
     flags = dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), (g is not None for g in grads)))
+    dl = e if in_place else torch.empty_like(e)
     lce_exp_dlogits_kernel[(cdiv(N, bn), cdiv(V, bv))](
-        e, mt, labels1d, lse, entropy, *(g if g is not None else lse for g in grads), logprob,
-        N, V, e.stride(0), mt.stride(0), opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
-        opts.inv_temp, BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv, **flags, D_TMA=d["dlogits"],
+        e, dl, mt, labels1d, lse, entropy, *(g if g is not None else lse for g in grads), logprob,
+        N, V, e.stride(0), dl.stride(0), mt.stride(0), opts.ignore_index, float(opts.label_smoothing),
+        float(opts.z_loss), opts.inv_temp, BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv, **flags, D_TMA=d["dlogits"],
     )
+    if in_place:
+        # mt has served: poisoned, so that a second use of the pair gives NaN gradients, never plausible ones.
+        mt.fill_(float("nan"))
     one = torch.ones((), dtype=torch.float32, device=dev)
-    d_h, d_w, _ = lce_sft_backward(hidden2d, weight, None, e, one, need_hidden_grad=need_hidden_grad,
+    d_h, d_w, _ = lce_sft_backward(hidden2d, weight, None, dl, one, need_hidden_grad=need_hidden_grad,
                                    need_weight_grad=need_weight_grad, tma=opts.tma)
     return d_h, d_w
