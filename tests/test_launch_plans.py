@@ -467,6 +467,7 @@ def test_lce_nograd_key_only_for_plain_eager_nograd_calls():
 
     assert key(h.as_subclass(Sub), w, y, *args, "auto", None) is None
     assert key(h, w, y, 1, -100, "auto", "auto", None) != key(h, w, y, 1.0, -100, "auto", "auto", None)
+    assert key(h, w, y, *args, "auto", None, "4pass") != key(h, w, y, *args, "auto", None)  # grad_path is checked
 
 
 @pytest.mark.parametrize("bad", ["hidden", "topk_weights"])

@@ -240,7 +240,7 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
 _NOGRAD_CALLS = PlanCache("lce.logprobs_nograd")
 
 
-def _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group, grad_path):
+def _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group, grad_path="auto"):
     """The key of an eager no-grad ``linear_logprobs_entropy`` call on plain CUDA tensors without autocast, a
     process group or a synchronous label check: everything its validation and its plan depend on (devices,
     dtypes, shapes, strides, 16-byte alignment, options with their types, the effective ``HOPPERKERN_TMA`` and
