@@ -87,11 +87,16 @@ def _backward_grads(hidden, weight, labels, bias, lse, entropy, zlab, g_loss, g_
     """:func:`lce_backward_impl`'s work: (d_hidden, d_weight, d_bias), None for a gradient not computed (the eager
     autograd function takes these as they are; the custom op puts empty tensors in their place)."""
     opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
-    g = [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
-         for x in (g_loss, g_logprob, g_entropy, g_lse)]
+    g = _f32_grads(g_loss, g_logprob, g_entropy, g_lse)
     with launch_context(hidden, "hopperkern.lce backward"):
         return lce_backward(hidden, weight, labels, bias, lse, entropy, *g, opts, logprob=logprob, zlab=zlab,
                             need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
+
+
+def _f32_grads(*grads):
+    """Per-token upstream gradients as the kernels read them: fp32 and contiguous (None stays None)."""
+    return [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
+            for x in grads]
 
 
 lce_backward_op = torch.library.custom_op("hopperkern::lce_backward", mutates_args=())(lce_backward_impl)
@@ -261,10 +266,17 @@ def lce_rl_backward_op(hidden: Tensor, weight: Tensor, labels: Tensor, e: Tensor
     """(d_hidden, d_weight) from what lce_rl_forward kept and fp32 [N] upstream gradients of its per-token outputs;
     ``e`` is overwritten with d(logits) and ``mt`` with NaN (the pair serves one backward). A gradient that is not
     needed comes back as an empty tensor."""
+    return _rl_backward_run(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
+                            ignore_index, temperature, tma, need_hidden_grad, need_weight_grad, True)
+
+
+def _rl_backward_run(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
+                     ignore_index, temperature, tma, need_hidden_grad, need_weight_grad, in_place):
+    """Both RL backward ops' work (:func:`rl.lce_rl_backward`), with an empty tensor per missing gradient."""
     with launch_context(hidden, "hopperkern.lce backward"):
         grads = lce_rl_backward(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy,
                                 g_lse, _rl_opts(ignore_index, temperature, tma), need_hidden_grad=need_hidden_grad,
-                                need_weight_grad=need_weight_grad)
+                                need_weight_grad=need_weight_grad, in_place=in_place)
     return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
 
 
@@ -276,11 +288,8 @@ def lce_rl_backward_functional_op(hidden: Tensor, weight: Tensor, labels: Tensor
                                   need_weight_grad: bool) -> tuple[Tensor, Tensor]:
     """lce_rl_backward_op without side effects, for traced backwards: d(logits) goes to a buffer of its own and
     ``e``, ``mt`` are left as they are (a traced in-place update would be written back over them unchecked)."""
-    with launch_context(hidden, "hopperkern.lce backward"):
-        grads = lce_rl_backward(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy,
-                                g_lse, _rl_opts(ignore_index, temperature, tma), need_hidden_grad=need_hidden_grad,
-                                need_weight_grad=need_weight_grad, in_place=False)
-    return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
+    return _rl_backward_run(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
+                            ignore_index, temperature, tma, need_hidden_grad, need_weight_grad, False)
 
 
 def _rl_fake_backward(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
@@ -306,8 +315,7 @@ def _rl_setup_context(ctx, inputs, output):
 def _rl_backward(ctx, g_loss, g_logprob, g_entropy, g_lse, _e, _mt):
     hidden, weight, labels, e, mt, lse, entropy, logprob = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    ups = [x if x is None or (x.dtype == torch.float32 and x.is_contiguous()) else x.float().contiguous()
-           for x in (g_loss, g_logprob, g_entropy, g_lse)]
+    ups = _f32_grads(g_loss, g_logprob, g_entropy, g_lse)
     if not (need_h or need_w) or all(x is None for x in ups):
         return (None,) * 7
     # Eager: in place (version-checked). Traced: into a buffer of its own, as functionalisation would write an

@@ -102,9 +102,7 @@ def forward_config(cfg: KernelConfig, N: int) -> KernelConfig:
     """The 3-pass forward's launch config from the tuned forward config ``cfg``: from ``MIN_TOKENS_NARROW_TILES``
     tokens, tiles of 128 x 256 or more run as 128 x 128 x 64 with 8 warps and 4 stages (no register spills with the
     stores); otherwise, and for smaller tiles (fp32 inputs, the interpreter), as tuned."""
-    if N < MIN_TOKENS_NARROW_TILES or cfg.block_m * cfg.block_n < 128 * 256:
-        return cfg
-    return cfg.model_copy(update=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4))
+    return cfg if N < MIN_TOKENS_NARROW_TILES else _sft.narrow_tiles(cfg, 128 * 256)
 
 
 def forward_block_v(V: int, num_tiles: int) -> int:

@@ -48,7 +48,7 @@ from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
-           "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
+           "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "narrow_tiles", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
 
 SFT_PATHS = ("auto", "3pass", "4pass")
 EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
@@ -157,7 +157,14 @@ def store_z_config(cfg: KernelConfig) -> KernelConfig:
     128 x 128 tiles with 4 warps, and 128 x 128 x 128 with 3 stages needs 256 KB). So tiles of 128 x 128 or more
     run as 128 x 128 x 64 with 8 warps and 4 stages (192 KB, no spills: ``benchmarks/compile_lce_sm90.py``);
     smaller ones (fp32 inputs, the interpreter) as tuned."""
-    if cfg.block_m * cfg.block_n < _STORE_Z_TILE:
+    return narrow_tiles(cfg, _STORE_Z_TILE)
+
+
+def narrow_tiles(cfg: KernelConfig, min_tile: int) -> KernelConfig:
+    """``cfg`` with tiles of ``min_tile`` (BLOCK_N x BLOCK_V) elements or more re-tiled to 128 x 128 x 64, 8 warps,
+    4 stages (group and flatten kept): the tiling at which the forward's stores spill no registers on sm_90
+    (:func:`store_z_config`, and ``rl.forward_config`` for stored exponentials); smaller tiles as they are."""
+    if cfg.block_m * cfg.block_n < min_tile:
         return cfg
     return cfg.model_copy(update=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4))
 
