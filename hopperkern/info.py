@@ -141,6 +141,7 @@ def _capability() -> dict:
         "triton_has_tensor_descriptors": cap.tensor_descriptors,  # the API; whether they run here is "tma"
         "tma": cap.tma,
         "reasons": list(cap.reasons),
+        "pdl": cap.pdl,
     }
 
 
@@ -321,6 +322,8 @@ def render(data: dict, console=None) -> None:
         # Whether descriptors can be used here: on a CPU without the interpreter the API exists but nothing runs.
         usable = "yes" if cap["tma"] else f"no: {'; '.join(cap['reasons']) or 'no reason recorded'}"
         env.add_row("tensor descriptors (TMA) here", _text(usable))
+        if "pdl" in cap:
+            env.add_row("programmatic dependent launch", "yes (HOPPERKERN_PDL=0 turns it off)" if cap["pdl"] else "no")
     else:
         env.add_row("capability", _text(cap))
     interp = data.get("interpreter")

@@ -490,7 +490,7 @@ def test_env_key_follows_a_replaced_environ(monkeypatch):
     monkeypatch.setenv("HOPPERKERN_TMA", "never")
     assert env_key() != always
     monkeypatch.setattr(os, "environ", {"HOPPERKERN_TMA": "never", "HOPPERKERN_CONFIG": "x.json"})
-    assert env_key() == ("never", "x.json")
+    assert env_key() == ("never", "x.json", None)
 
 
 def test_launch_at_dispatch():

@@ -21,6 +21,8 @@ network that is slow on the GPU at 4096 elements and unusably slow in the interp
 import triton
 import triton.language as tl
 
+from ..tma.jit import chain_start
+
 
 @triton.jit
 def _slot_bins(ids_ptr, chunk, num_slots, E, CHUNK: tl.constexpr):
@@ -107,9 +109,11 @@ def _align_small_kernel(
     num_blocks_ptr,   # [1] int32 out: number of live blocks
     num_slots, E, max_blocks,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr, BLOCK_B: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """Whole plan in one launch when all slots fit in one chunk. Any grid: program p scatters sub-blocks p,
     p + grid, ... and fills block tiles p, p + grid, ...; program 0 writes the header."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     ex = tl.arange(0, E_P)
@@ -131,8 +135,10 @@ def _align_count_kernel(
     chunk_counts_ptr, # [num_chunks, E_P] int32 out: histogram of bins per chunk
     num_slots, E,
     CHUNK: tl.constexpr, E_P: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """Grid (num_chunks,); one program = the bin histogram of one chunk."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
     c = tl.program_id(0)
     bins = _slot_bins(ids_ptr, c, num_slots, E, CHUNK)
     tl.store(chunk_counts_ptr + c * E_P + tl.arange(0, E_P), tl.histogram(bins, E_P))
@@ -147,8 +153,10 @@ def _align_scan_kernel(
     num_blocks_ptr,   # [1] int32 out
     num_chunks, E,
     BLOCK_M: tl.constexpr, E_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """Grid (1,): expert totals, padded segments, then an exclusive scan over chunks (BLOCK_C rows at a time)."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
     ex = tl.arange(0, E_P)
     cs = tl.arange(0, BLOCK_C)
     tot = tl.zeros((E_P,), dtype=tl.int32)
@@ -173,9 +181,11 @@ def _align_scatter_kernel(
     sorted_ptr,       # [max_blocks * BLOCK_M] int32 out
     num_slots, E,
     CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr, SUBS: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """Grid (num_chunks * CHUNK // (SUB * SUBS),); one program writes the sorted rows of SUBS consecutive
     sub-blocks of SUB slots."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
     per_chunk: tl.constexpr = CHUNK // (SUB * SUBS)
     p = tl.program_id(0)
     c = p // per_chunk
@@ -195,8 +205,10 @@ def _align_blocks_kernel(
     sorted_ptr,       # [max_blocks * BLOCK_M] int32 out (padding rows only)
     max_blocks, num_slots, E,
     BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, E_P: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """Grid (cdiv(max_blocks, BLOCK_B),); one program = expert ids and padding sentinels of BLOCK_B blocks."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
     ex = tl.arange(0, E_P)
     starts = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
     tot = tl.load(counts_ptr + ex, mask=ex < E, other=0)

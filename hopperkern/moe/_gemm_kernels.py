@@ -15,7 +15,7 @@ or pointer loads, switched by constexpr flags chosen on the host by :func:`hoppe
 import triton
 import triton.language as tl
 
-from ..tma.jit import grouped_tile, load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
+from ..tma.jit import chain_start, grouped_tile, load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
 
 ACT_SILU = 0
 ACT_GELU_TANH = 1
@@ -90,6 +90,7 @@ def _gate_up_kernel(
     ACT: tl.constexpr, W_TMA: tl.constexpr, Y_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     SAVE_PRE: tl.constexpr = False, PG_TMA: tl.constexpr = False, PU_TMA: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """GEMM1: y[r, n] = act(x[tok(r)] . w13[e, n]) * (x[tok(r)] . w13[e, I + n]), M = sorted rows, N = I,
     K = H. Persistent grid (<= NUM_PROGRAMS,); one tile = one row block x BLOCK_N columns of BOTH the gate and
@@ -101,6 +102,7 @@ def _gate_up_kernel(
 
     SAVE_PRE (training): also store the gate and up pre-activations, rounded once to hidden's dtype, for the
     backward's activation gradient (:mod:`hopperkern.moe._backward_kernels`); padding rows store zeros."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
     w_src = tile_source_3d(w_ptr, E, 2 * I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
     y_dst = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_N, Y_TMA)
     if SAVE_PRE:
@@ -151,6 +153,7 @@ def _down_kernel(
     Y_TMA: tl.constexpr, W_TMA: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     B_KN: tl.constexpr = False, SCALE: tl.constexpr = True,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """GEMM2: z[r, n] = weight(slot(r)) * (y[r] . w2[e, n]), M = sorted rows, N = H, K = I. Persistent
     grid (<= NUM_PROGRAMS,) as in :func:`_gate_up_kernel`; one tile = one row block x BLOCK_N output columns.
@@ -163,6 +166,7 @@ def _down_kernel(
     (the top-k reduction happens here; the order of the adds varies run to run). Otherwise each slot's row
     is stored once into out[slot] and :func:`_topk_sum_kernel` adds the k rows in a fixed order (a DIRECT plan
     can instead sum inside :func:`_down_direct_kernel`)."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)  # before the descriptors: their scratch may be memory the previous kernel used
     y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
     if B_KN:
         w_src = tile_source_3d(w_ptr, E, I, H, stride_we, stride_wi, BLOCK_K, BLOCK_N, W_TMA)
@@ -211,6 +215,7 @@ def _down_direct_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TOP_K_P: tl.constexpr, Y_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """GEMM2 of a DIRECT plan with the top-k sum fused: out[t, n] = sum_j weight[t, j] * (y[slot t*k+j] .
     w2[ids[t, j], n]), j in order, in fp32, rounded once at the store. Deterministic, and no [T*k, H] round
@@ -221,6 +226,7 @@ def _down_direct_kernel(
     token's experts. The expert ids and weights of the token sit in registers (TOP_K_P >= top_k lanes). A
     dropped id (outside [0, E), e.g. -1) reads its weight tile from rows past H: both memory paths return
     zeros there without touching memory, and its routing weight is taken as 0."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)  # before the descriptors: their scratch may be memory the previous kernel used
     y_src = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_K, Y_TMA)
     w_src = tile_source_3d(w_ptr, E, H, I, stride_we, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -264,11 +270,13 @@ def _topk_sum_kernel(
     out_ptr,          # [T, H] out
     E, H, stride_s, stride_ot, stride_oh,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, FILL: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """out[t] = sum_j src[t*k + j] in fp32, j = 0..k-1 in order (deterministic); slots whose id is -1 (dropped)
     add nothing, and a token with an id outside [-1, E) gets NaN (never a plausible sum that lacks an expert).
     FILL: src is not read; out[t] = 0, or NaN for such a token (the zero fill the atomic top-k sum adds into).
     Grid (T, cdiv(H, BLOCK_H))."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)

@@ -20,7 +20,7 @@ from .._host import cdiv, next_power_of_2
 from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
-from ..tma.launcher import Launch, run_steps
+from ..tma.launcher import Launch, chain_launches, pdl_enabled, run_steps
 from .align import AlignPlan
 from .configs import atomic_config, num_programs
 
@@ -196,8 +196,8 @@ def slot_gemm_sum(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor |
                              else torch.float32, device=a.device)
     env["out"] = torch.empty((T, n_out), dtype=out_dtype, device=a.device) if deterministic else env["buf"]
     with _tma.launch_context(a, what):
-        run_steps(slot_steps(env, plan, config, a_tma, w_tma, deterministic, w_kn=w_kn,
-                             scale=topk_weights is not None), env)
+        steps = slot_steps(env, plan, config, a_tma, w_tma, deterministic, w_kn=w_kn, scale=topk_weights is not None)
+        run_steps(chain_launches(steps, pdl_enabled(a.device)), env)
     out = env["out"]
     return out if deterministic or out_dtype == torch.float32 else out.to(out_dtype)
 

@@ -70,6 +70,10 @@ class Capability:
     tensor_descriptors: bool
     tma: bool
     reasons: tuple[str, ...]
+    # Programmatic dependent launch (a kernel of a plan starts while the one before it drains, and waits on the
+    # device before reading what that one wrote): sm_90 or newer, compiled (not interpreted), a Triton with
+    # the launch_pdl option and griddepcontrol (tl.extra.cuda.gdc_wait).
+    pdl: bool = False
 
     @property
     def config_name(self) -> str | None:
@@ -281,6 +285,16 @@ def _has_tensor_descriptors() -> bool:
         return False
 
 
+def _has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+
+        return "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except Exception:
+        return False
+
+
 def interpreter_dtype_problems(dtype) -> tuple[str, ...]:
     """Why Triton's interpreter computes kernels on ``dtype`` (a torch dtype) inputs wrongly in this process, or
     () when it computes them right, when the interpreter is off (a GPU does) or for dtypes other than fp16/bf16.
@@ -469,6 +483,7 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
         elif cc is not None and cc < (9, 0):
             reasons.append(f"compute capability {cc[0]}.{cc[1]} < 9.0: TMA needs Hopper (sm_90) or newer")
         tma = bool(descriptors and cuda and cc is not None and cc >= (9, 0))
+    pdl = bool(not interpreter and cuda and cc is not None and cc >= (9, 0) and tv is not None and _has_pdl())
     if tma:
         reasons = []
     return Capability(
@@ -481,6 +496,7 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
         tensor_descriptors=descriptors,
         tma=tma,
         reasons=tuple(reasons),
+        pdl=pdl,
     )
 
 

@@ -12,9 +12,26 @@ Pointer offsets along the leading dim are computed in int64: N*V and V*H exceed 
 from . import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load
 import triton
 import triton.language as tl
+import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* in chain_start
 
-__all__ = ["grouped_tile", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d", "store_3d",
+__all__ = ["chain_start", "grouped_tile", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d", "store_3d",
            "load_rows"]
+
+
+@triton.jit
+def chain_start(PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+    """Programmatic dependent launch, first thing in a kernel of a launch chain (a plan's kernels, one after
+    another on one stream; :func:`hopperkern.tma.launcher.chain_launches` sets the flags).
+
+    PDL_TRIGGER: the next kernel of the chain may be scheduled once every program of this one has started, so
+    its launch and set-up overlap this kernel's run instead of following its last program. PDL_WAIT (this
+    kernel was launched as a dependent): block until the previous kernel has completed and its writes are
+    visible; nothing before this point reads or writes global memory. Both flags are off under the
+    interpreter and on GPUs without PDL (:attr:`hopperkern.tma.Capability.pdl`), where this is a no-op."""
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

@@ -32,8 +32,8 @@ from .._host import round_up
 from .capability import _numbers, _triton_version, interpreter_active
 from .descriptors import ensure_allocator
 
-__all__ = ["Launch", "Plan", "PlanCache", "alignment_key", "clear_plans", "current_device", "direct_launch_supported",
-           "env_key", "launch_at", "launch_state", "run_direct", "run_steps", "scratch_offsets", "PIECE_ALIGN"]
+__all__ = ["Launch", "Plan", "PlanCache", "alignment_key", "chain_launches", "clear_plans", "current_device",
+           "direct_launch_supported", "env_key", "pdl_enabled", "launch_at", "launch_state", "run_direct", "run_steps", "scratch_offsets", "PIECE_ALIGN"]
 
 PIECE_ALIGN = 128  # bytes: where every piece of a plan's per-call allocation starts (TMA's and any binary's need)
 
@@ -91,15 +91,19 @@ def alignment_key(*tensors) -> int:
     return bits
 
 
+_ENV_NAMES = ("HOPPERKERN_TMA", "HOPPERKERN_CONFIG", "HOPPERKERN_PDL")
+
+
 def _raw_environ():
-    """``os.environ``'s own store and its two keys as stored there: a read of it costs a dict lookup, where
-    ``os.environ.get`` encodes the key and decodes the value on every call. It is the store ``os.environ`` reads
-    and writes itself, so it sees every change made through ``os.environ``; ``(None, ...)`` where the layout differs."""
+    """``os.environ``'s own store and the keys of :data:`_ENV_NAMES` as stored there: a read of it costs a dict
+    lookup, where ``os.environ.get`` encodes the key and decodes the value on every call. It is the store
+    ``os.environ`` reads and writes itself, so it sees every change made through ``os.environ``; ``(None, ...)``
+    where the layout differs."""
     env = os.environ
     data, encode = getattr(env, "_data", None), getattr(env, "encodekey", None)
     if not isinstance(data, dict) or encode is None:
-        return None, "HOPPERKERN_TMA", "HOPPERKERN_CONFIG"
-    return data, encode("HOPPERKERN_TMA"), encode("HOPPERKERN_CONFIG")
+        return (None,) + _ENV_NAMES
+    return (data,) + tuple(encode(name) for name in _ENV_NAMES)
 
 
 _ENVIRON = _raw_environ()
@@ -107,16 +111,45 @@ _ENVIRON_OF = os.environ  # the mapping _ENVIRON was read from (a replaced os.en
 
 
 def env_key() -> tuple:
-    """The environment every plan depends on: ``HOPPERKERN_TMA`` and ``HOPPERKERN_CONFIG`` as set now (part of
-    each plan key, so a changed value takes effect on the next call), as ``os.environ`` stores them."""
+    """The environment every plan depends on: ``HOPPERKERN_TMA``, ``HOPPERKERN_CONFIG`` and ``HOPPERKERN_PDL`` as
+    set now (part of each plan key, so a changed value takes effect on the next call), as ``os.environ`` stores
+    them."""
     global _ENVIRON, _ENVIRON_OF
     if os.environ is not _ENVIRON_OF:
         _ENVIRON, _ENVIRON_OF = _raw_environ(), os.environ
-    data, tma, config = _ENVIRON
+    data, tma, config, pdl = _ENVIRON
     if data is None:
         env = os.environ
-        return env.get(tma), env.get(config)
-    return data.get(tma), data.get(config)
+        return env.get(tma), env.get(config), env.get(pdl)
+    return data.get(tma), data.get(config), data.get(pdl)
+
+
+def pdl_enabled(device=None) -> bool:
+    """Whether a plan built now for ``device`` chains its kernels with programmatic dependent launch
+    (:func:`chain_launches`): the GPU and Triton support it (:attr:`hopperkern.tma.Capability.pdl`) and
+    ``HOPPERKERN_PDL`` is not set to 0 (off / false / no). Read when a plan is built; the variable is part of
+    :func:`env_key`, so a changed value takes effect on the next call."""
+    from .capability import capability
+
+    value = env_key()[2]
+    if value is not None and value.strip().lower() in (b"0", b"off", b"false", b"no", "0", "off", "false", "no"):
+        return False
+    return capability(device).pdl
+
+
+def chain_launches(steps, enabled: bool):
+    """Chain a plan's ``(Launch, tensor names)`` steps, which run in this order on one stream, with programmatic
+    dependent launch when ``enabled`` (:func:`pdl_enabled`): every launch but the first is a dependent (it may
+    start while the one before it drains, and waits on the device before touching memory), every launch but the
+    last lets its dependent start early. Kernels without the chain flags (``PDL_WAIT``, ``PDL_TRIGGER``; see
+    :func:`hopperkern.tma.jit.chain_start`) simply keep stream order. Must run before the steps' first call.
+    The first launch never waits on the device for what came before the plan, so it is launched in plain
+    stream order. Returns ``steps``."""
+    if enabled:
+        last = len(steps) - 1
+        for i, (launch, _) in enumerate(steps):
+            launch.chain(wait=i > 0, trigger=i < last)
+    return steps
 
 
 _CACHES: list = []
@@ -244,6 +277,23 @@ class Launch:
 
     def __call__(self, *tensors) -> None:
         launch_at(self, launch_state() if self.c_launch is not None else None, tensors)
+
+    def chain(self, wait: bool, trigger: bool) -> None:
+        """Set this launch's place in a programmatic-dependent chain (:func:`chain_launches`) before its first
+        call: ``wait``, launched as a dependent of the kernel before it (``launch_pdl``; the kernel waits on the
+        device first); ``trigger``, lets the kernel after it start early. A kernel without the chain flags
+        keeps plain stream order."""
+        names = self.fn.arg_names
+        if self.compiled is not None:
+            raise RuntimeError(f"{self.fn.__name__}: a launch is chained before its first call")
+        if "PDL_WAIT" not in names or "PDL_TRIGGER" not in names:
+            return
+        self.template[names.index("PDL_WAIT")] = bool(wait)
+        self.template[names.index("PDL_TRIGGER")] = bool(trigger)
+        if wait:
+            self.options["launch_pdl"] = True
+        else:
+            self.options.pop("launch_pdl", None)
 
     def direct(self, stream: int, tensors, scratch: int | None = None) -> bool:
         """Launch on ``stream`` through the bound C launcher; False (nothing launched) when a tensor does not match
