@@ -121,14 +121,20 @@ def _moe_inputs(T, E=8, H=64, I=32, k=2, seed=0, device=DEVICE, dtype=torch.floa
     return [t.to(device) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
 
 
-@pytest.mark.parametrize("T", [1, 24])  # a direct plan; a sorted plan with its alignment launch
-def test_forward_plan_chains_its_launches(T, monkeypatch):
-    """With PDL on, a fused_moe plan's first launch waits in stream order and every later one is a dependent."""
-    monkeypatch.setattr(moe_ops, "pdl_enabled", lambda device=None: True)
+@pytest.mark.parametrize("T", [1, 24, 80])  # a direct plan; sorted plans (alignment launch) below and above 64
+def test_forward_plan_chains_decode_sizes(T, monkeypatch):
+    """With PDL on, a fused_moe plan of up to PDL_MAX_TOKENS tokens chains its launches: the first waits in plain
+    stream order, every later one is a dependent. Larger calls keep plain stream order."""
+    import hopperkern.moe.configs as moe_configs
+
+    monkeypatch.setattr(moe_configs, "pdl_enabled", lambda device=None: True)
     x, w13, w2, weights, ids = _moe_inputs(T)
     plan = moe_ops.ForwardPlan(x, w13, w2, weights, ids, "silu", "never", True, None, moe_ops.SAVE_NONE)
     flags = [_flags(launch) for launch, _ in plan.steps]
     assert len(flags) >= 2
+    if T > moe_configs.PDL_MAX_TOKENS:
+        assert flags == [(False, False, False)] * len(flags)
+        return
     assert flags[0] == (False, True, False)
     assert all(f[0] and f[2] for f in flags[1:]) and not flags[-1][1]
     assert all(f[1] for f in flags[:-1])

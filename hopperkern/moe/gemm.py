@@ -20,9 +20,9 @@ from .._host import cdiv, next_power_of_2
 from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
-from ..tma.launcher import Launch, chain_launches, pdl_enabled, run_steps
+from ..tma.launcher import Launch, run_steps
 from .align import AlignPlan
-from .configs import atomic_config, num_programs
+from .configs import atomic_config, chain_decode, num_programs
 
 __all__ = ["ACTIVATIONS", "down", "gate_up", "slot_gemm_sum", "topk_sum"]
 
@@ -197,7 +197,7 @@ def slot_gemm_sum(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor |
     env["out"] = torch.empty((T, n_out), dtype=out_dtype, device=a.device) if deterministic else env["buf"]
     with _tma.launch_context(a, what):
         steps = slot_steps(env, plan, config, a_tma, w_tma, deterministic, w_kn=w_kn, scale=topk_weights is not None)
-        run_steps(chain_launches(steps, pdl_enabled(a.device)), env)
+        run_steps(chain_decode(steps, T, a.device), env)
     out = env["out"]
     return out if deterministic or out_dtype == torch.float32 else out.to(out_dtype)
 

@@ -20,13 +20,12 @@ from torch import Tensor
 from .._host import round_up
 from .._validate import _PLAIN_TENSORS, check_local_memory, sync_check
 from ..tma import decide, interpreter_active, launch_context, record_decision
-from ..tma.launcher import Plan, PlanCache, alignment_key, chain_launches, env_key, launch_state, pdl_enabled, run_direct
-from ..tma.launcher import run_steps
+from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, launch_state, run_direct, run_steps
 from ..tma.launcher import PIECE_ALIGN, scratch_offsets
 from ..tuning import KernelConfig, MoeConfig, device_config
 from .align import AlignPlan, align_steps, direct_plan, empty_plan, moe_align, prefer_direct, scratch_shapes
 from .backward import moe_backward
-from .configs import moe_launch_config
+from .configs import chain_decode, moe_launch_config
 from .gemm import direct_pointer_reason, down_direct_step, gate_up_step, slot_buffer_shape, slot_steps
 
 __all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "ForwardPlan", "cached_forward", "check_expert_ids", "config_from_list",
@@ -229,9 +228,9 @@ class ForwardPlan(Plan):
             steps.append(down_direct_step(env, sample, cfg.gemm2, d2))
         else:
             steps += slot_steps(env, sample, cfg.gemm2, d2["inter"], d2["w2"], deterministic)
-        # One stream, one call: each kernel may start while the one before it drains (programmatic dependent
-        # launch); the first waits for the work before the call in plain stream order.
-        self.steps = chain_launches(steps, pdl_enabled(dev))
+        # Decode sizes: each kernel may start while the one before it drains (programmatic dependent launch); the
+        # first waits for the work before the call in plain stream order.
+        self.steps = chain_decode(steps, T, dev)
 
     def _layout(self, elem: int, per_slot: bool):
         """Where an inference call's scratch lies in one byte allocation when its launches go direct: ``(name,
