@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -67,6 +68,7 @@ PROVIDERS = {  # provider: what it runs (the plot's legend)
     "hopperkern": "hopperkern fused_moe, tma='auto' (TMA for weights and sorted rows)",
     "hopperkern-ptr": "hopperkern fused_moe, tma='never' (pointer loads only)",
     "hopperkern-atomic": "hopperkern fused_moe, deterministic=False (fp32 atomic top-k sum)",
+    "hopperkern-nopdl": "hopperkern fused_moe, HOPPERKERN_PDL=0 (kernels in plain stream order; M <= 64 only)",
     "torch._grouped_mm": "torch: sort slots, two torch._grouped_mm GEMMs, silu * up, weighted sum (the 1.0 line)",
 }
 
@@ -111,11 +113,27 @@ def _rel_err(out, ref):
     return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
+def _without_pdl(fn):
+    """``fn`` with HOPPERKERN_PDL=0 around each call (read at every call, so a graph captures the unchained plan)."""
+    def call(*args):
+        old = os.environ.get("HOPPERKERN_PDL")
+        os.environ["HOPPERKERN_PDL"] = "0"
+        try:
+            return fn(*args)
+        finally:
+            if old is None:
+                del os.environ["HOPPERKERN_PDL"]
+            else:
+                os.environ["HOPPERKERN_PDL"] = old
+    return call
+
+
 def _providers(atomic: bool):
     from hopperkern import moe
 
     provs = {
         "hopperkern": lambda *a: moe.fused_moe(*a, check_ids=False),
+        "hopperkern-nopdl": _without_pdl(lambda *a: moe.fused_moe(*a, check_ids=False)),
         "hopperkern-ptr": lambda *a: moe.fused_moe(*a, tma="never", check_ids=False),
     }
     if atomic:
@@ -164,6 +182,8 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
                     **ceil)
         graph = M <= GRAPH_MAX_M
         for pname, fn in provs.items():
+            if pname == "hopperkern-nopdl" and M > moe.PDL_MAX_TOKENS:
+                continue  # the same plan as "hopperkern" there: only calls of up to PDL_MAX_TOKENS are chained
             row = dict(base, provider=pname)
             args = (x, w13, w2, weights, ids)
             try:
@@ -187,6 +207,10 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
                 traceback.print_exc(limit=3)
             rows.append(row)
         torch_rows = [r for r in rows if r["M"] == M and r["provider"] == "torch._grouped_mm" and "time_us" in r]
+        pair = {r["provider"]: r for r in rows if r["M"] == M and r.get("time_us_graph10")}
+        if "hopperkern" in pair and "hopperkern-nopdl" in pair:  # same run: what chaining the launches gains
+            pair["hopperkern"]["pdl_speedup_graph10"] = (pair["hopperkern-nopdl"]["time_us_graph10"]
+                                                         / pair["hopperkern"]["time_us_graph10"])
         public = best_public_us(name, M)
         for r in rows:
             if r["M"] == M and torch_rows and "time_us" in r:

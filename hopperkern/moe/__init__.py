@@ -22,7 +22,7 @@ Pipeline (each piece public, documented in its module):
 from ..tma import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load
 from .align import AlignPlan, direct_plan, max_blocks_for, moe_align, prefer_direct
 from .backward import moe_backward
-from .configs import heuristic_config, moe_launch_config
+from .configs import PDL_MAX_TOKENS, heuristic_config, moe_launch_config
 from .fused import check_expert_ids, fused_moe
 from .gemm import ACTIVATIONS, down, gate_up, topk_sum
 from .modules import LAYOUTS, MoEBlock
@@ -30,6 +30,7 @@ from .routing import SCORINGS, route
 
 __all__ = [
     "ACTIVATIONS",
+    "PDL_MAX_TOKENS",
     "LAYOUTS",
     "SCORINGS",
     "AlignPlan",

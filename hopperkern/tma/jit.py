@@ -12,10 +12,13 @@ Pointer offsets along the leading dim are computed in int64: N*V and V*H exceed 
 from . import _triton  # noqa: F401 - first: a clear ImportError when triton cannot load
 import triton
 import triton.language as tl
-import triton.language.extra.cuda  # noqa: F401 - tl.extra.cuda.gdc_* in chain_start
+try:  # tl.extra.cuda.gdc_* in chain_start; Capability.pdl is False where they are missing, so no kernel traces them
+    import triton.language.extra.cuda  # noqa: F401
+except ImportError:  # pragma: no cover - a Triton without the CUDA extras
+    pass
 
-__all__ = ["chain_start", "grouped_tile", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d", "store_3d",
-           "load_rows"]
+__all__ = ["chain_start", "grouped_tile", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d",
+           "store_3d", "load_rows"]
 
 
 @triton.jit
