@@ -16,7 +16,8 @@ from ..tma.launcher import chain_launches, pdl_enabled
 from ..tuning import KernelConfig, MoeConfig, load_config, moe_key
 from .align import max_blocks_for
 
-__all__ = ["INTERPRETER_CONFIG", "PDL_MAX_TOKENS", "atomic_config", "chain_decode", "heuristic_config", "moe_launch_config", "num_programs", "pick_block_m",
+__all__ = ["INTERPRETER_CONFIG", "PDL_MAX_TOKENS", "atomic_config", "chain_decode", "heuristic_config",
+           "moe_launch_config", "num_programs", "pick_block_m",
            "programs_per_sm", "smem_bytes"]
 
 INTERPRETER_CONFIG = MoeConfig(

@@ -33,7 +33,8 @@ from .capability import _numbers, _triton_version, interpreter_active
 from .descriptors import ensure_allocator
 
 __all__ = ["Launch", "Plan", "PlanCache", "alignment_key", "chain_launches", "clear_plans", "current_device",
-           "direct_launch_supported", "env_key", "pdl_enabled", "launch_at", "launch_state", "run_direct", "run_steps", "scratch_offsets", "PIECE_ALIGN"]
+           "direct_launch_supported", "env_key", "launch_at", "launch_state", "pdl_enabled", "run_direct", "run_steps",
+           "scratch_offsets", "PIECE_ALIGN"]
 
 PIECE_ALIGN = 128  # bytes: where every piece of a plan's per-call allocation starts (TMA's and any binary's need)
 
