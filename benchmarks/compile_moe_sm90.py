@@ -63,6 +63,18 @@ def _ptxas_stats(ptx: str) -> tuple[int, int]:
     return regs, spills
 
 
+_MEMORY_OP = re.compile(r"\b(?:ld|st|atom|red)\.(?:global|shared)|\bcp\.async|\btensormap|\bcp\.reduce\.async")
+
+
+def pdl_wait_first(ptx: str) -> bool:
+    """A chained kernel's PTX waits for the previous kernel (griddepcontrol.wait) before its first global or shared
+    memory access, TMA copy or descriptor write: nothing it reads or writes can race the kernel before it."""
+    body = ptx[ptx.index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    first = _MEMORY_OP.search(body)
+    return wait >= 0 and (first is None or wait < first.start())
+
+
 def compile_one(job):
     """Compile one variant; returns a result row (dict)."""
     import triton
@@ -139,7 +151,8 @@ def compile_one(job):
         regs_alloc = -(-regs * 32 // 256) * 256 * cfg.num_warps  # registers are allocated per warp, 256 at a time
         fits = min((228 * 1024) // (shared + 1024), 65536 // regs_alloc, 2048 // threads, 32)
         row.update(ok=True, regs=regs, spills=spills, shared=shared, fits=fits,
-                   est=programs_per_sm(cfg, 2, 2 if gemm == 1 else 1, 4 if atomic else None) if gemm in (1, 2) else 0)
+                   est=programs_per_sm(cfg, 2, 2 if gemm == 1 else 1, 4 if atomic else None) if gemm in (1, 2) else 0,
+                   pdl_order=pdl_wait_first(k.asm["ptx"]) if const.get("PDL_WAIT") else True)
     except Exception as exc:  # noqa: BLE001 - report every failure, keep going
         row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     return row
@@ -264,6 +277,8 @@ def main(argv=None) -> int:
                 warn.append("SPILLS")
             if r["est"] > r["fits"]:
                 warn.append("EST>FITS")
+            if not r.get("pdl_order", True):
+                warn.append("MEMORY-BEFORE-PDL-WAIT")
             bad += bool(warn)
             print(f"{'WARN' if warn else 'ok  '} {what}: regs {r['regs']} spills {r['spills']} smem "
                   f"{r['shared'] / 1024:.0f}K programs/SM est {r['est']} fits {r['fits']} {' '.join(warn)}")

@@ -22,7 +22,7 @@ __all__ = ["collect", "main", "render"]
 
 BUG_REPORT_LINE = ("Paste this output (or `python -m hopperkern.info --json`) into bug reports: "
                    "it says what ran and why.")
-_ENV_VARS = ("HOPPERKERN_TMA", "HOPPERKERN_CONFIG", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+_ENV_VARS = ("HOPPERKERN_TMA", "HOPPERKERN_CONFIG", "HOPPERKERN_PDL", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
 _GATHER = "activations: rows gathered by token index: pointer loads (TMA gather needs sm_100)"
 # (family, what goes through TMA when it can, operands that never can on sm_90). The op name a launcher passes
 # to tma.decide() is the family's first word.
@@ -142,7 +142,18 @@ def _capability() -> dict:
         "tma": cap.tma,
         "reasons": list(cap.reasons),
         "pdl": cap.pdl,
+        "pdl_enabled": _pdl_enabled(),
     }
+
+
+def _pdl_enabled():
+    """Whether plans built now chain their launches (capability and HOPPERKERN_PDL), or why that is unknown."""
+    from .tma.launcher import pdl_enabled
+
+    try:
+        return pdl_enabled()
+    except ValueError as exc:
+        return str(exc)
 
 
 def _interpreter():
@@ -323,7 +334,10 @@ def render(data: dict, console=None) -> None:
         usable = "yes" if cap["tma"] else f"no: {'; '.join(cap['reasons']) or 'no reason recorded'}"
         env.add_row("tensor descriptors (TMA) here", _text(usable))
         if "pdl" in cap:
-            env.add_row("programmatic dependent launch", "yes (HOPPERKERN_PDL=0 turns it off)" if cap["pdl"] else "no")
+            on = cap.get("pdl_enabled")
+            text = ("no" if not cap["pdl"] else "yes, on (HOPPERKERN_PDL=0 turns it off)" if on is True
+                    else "yes, off (HOPPERKERN_PDL)" if on is False else f"yes; {on}")
+            env.add_row("programmatic dependent launch", _text(text))
     else:
         env.add_row("capability", _text(cap))
     interp = data.get("interpreter")

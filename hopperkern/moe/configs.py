@@ -36,9 +36,9 @@ _MAX_PROGRAMS_PER_SM = 4      # beyond 4 resident programs the gain in latency h
 _INTERPRETER_PROGRAMS = 2     # CPU tests: few programs, so each one loops over several tiles
 
 # Token counts up to which a plan's launches are chained with programmatic dependent launch. Measured on the H200
-# (graph replays, same run): at 1 to 64 tokens every shape gains 0-4 % (the kernels are short and weight-bound, so
-# a kernel's launch overlaps the previous one's drain); from 256 tokens the gain is -0.7 to +2.3 %, and at 1024 to
-# 16384 tokens chained calls were up to 3 % (graph) and 14 % (eager, DeepSeek-V3 at 4096) slower.
+# (graph replays, same run): at 1 to 64 tokens every shape gains 0.1-4.5 % (the kernels are short and weight-bound,
+# so a kernel's launch overlaps the previous one's drain); from 256 tokens the gain is -0.7 to +2.3 %, and at 1024
+# to 16384 tokens chained calls were up to 3 % (graph) and 14 % (eager, DeepSeek-V3 at 4096) slower.
 PDL_MAX_TOKENS = 64
 
 

@@ -71,8 +71,8 @@ class Capability:
     tma: bool
     reasons: tuple[str, ...]
     # Programmatic dependent launch (a kernel of a plan starts while the one before it drains, and waits on the
-    # device before reading what that one wrote): sm_90 or newer, compiled (not interpreted), a Triton with
-    # the launch_pdl option and griddepcontrol (tl.extra.cuda.gdc_wait).
+    # device before reading what that one wrote): sm_90 or newer, compiled (not interpreted), a CUDA (not ROCm)
+    # build of torch from CUDA 12.3, a Triton with the launch_pdl option and griddepcontrol (tl.extra.cuda.gdc_wait).
     pdl: bool = False
 
     @property
@@ -285,6 +285,17 @@ def _has_tensor_descriptors() -> bool:
         return False
 
 
+def _cuda_at_least(version: tuple[int, int]) -> bool:
+    """torch is a CUDA build (not ROCm) of at least ``version``: PDL edges inside CUDA-graph capture need 12.3."""
+    try:
+        import torch
+
+        cuda = getattr(torch.version, "cuda", None)
+        return getattr(torch.version, "hip", None) is None and cuda is not None and _numbers(cuda)[:2] >= version
+    except Exception:
+        return False
+
+
 def _has_pdl() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -483,7 +494,8 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
         elif cc is not None and cc < (9, 0):
             reasons.append(f"compute capability {cc[0]}.{cc[1]} < 9.0: TMA needs Hopper (sm_90) or newer")
         tma = bool(descriptors and cuda and cc is not None and cc >= (9, 0))
-    pdl = bool(not interpreter and cuda and cc is not None and cc >= (9, 0) and tv is not None and _has_pdl())
+    pdl = bool(not interpreter and cuda and cc is not None and cc >= (9, 0) and tv is not None and _has_pdl()
+               and _cuda_at_least((12, 3)))
     if tma:
         reasons = []
     return Capability(

@@ -6,8 +6,8 @@ file lookup, the per-operand TMA decision, grid and split arithmetic, and Triton
 10 us of host time for a kernel of 40 arguments). This module holds the two pieces that remove it:
 
 * :class:`PlanCache`: a bounded dict of per-op plans. Ops key a plan on everything the plan depends on (device,
-  dtypes, shapes, strides, options, the effective TMA mode, ``HOPPERKERN_CONFIG``) and check on each hit that
-  the tuning file they were built from is unchanged (:meth:`Plan.fresh`, one ``stat``).
+  dtypes, shapes, strides, options, the effective TMA mode, ``HOPPERKERN_CONFIG``, ``HOPPERKERN_PDL``) and check on
+  each hit that the tuning file they were built from is unchanged (:meth:`Plan.fresh`, one ``stat``).
   :func:`clear_plans` empties every cache (tests; after adding a tuning file in a running process).
 * :class:`Launch`: one kernel launch with its grid and scalar arguments fixed. Its first call goes through
   ``kernel[grid](...)`` (compiling if needed) and keeps the compiled kernel; later calls hand new tensors' addresses
@@ -125,16 +125,26 @@ def env_key() -> tuple:
     return data.get(tma), data.get(config), data.get(pdl)
 
 
+_PDL_OFF = ("0", "off", "false", "no")
+_PDL_ON = ("", "1", "on", "true", "yes")
+
+
 def pdl_enabled(device=None) -> bool:
-    """Whether a plan built now for ``device`` chains its kernels with programmatic dependent launch
-    (:func:`chain_launches`): the GPU and Triton support it (:attr:`hopperkern.tma.Capability.pdl`) and
-    ``HOPPERKERN_PDL`` is not set to 0 (off / false / no). Read when a plan is built; the variable is part of
+    """Whether a plan built now for ``device`` may chain its kernels with programmatic dependent launch
+    (:func:`chain_launches`): the GPU, CUDA and Triton support it (:attr:`hopperkern.tma.Capability.pdl`) and
+    ``HOPPERKERN_PDL`` is not ``0`` / ``off`` / ``false`` / ``no`` (unset, ``1``, ``on``, ``true``, ``yes``: on where
+    supported; anything else raises ValueError). Read when a plan is built; the variable is part of
     :func:`env_key`, so a changed value takes effect on the next call."""
     from .capability import capability
 
     value = env_key()[2]
-    if value is not None and value.strip().lower() in (b"0", b"off", b"false", b"no", "0", "off", "false", "no"):
-        return False
+    if value is not None:
+        text = (value.decode(errors="replace") if isinstance(value, bytes) else value).strip().lower()
+        if text in _PDL_OFF:
+            return False
+        if text not in _PDL_ON:
+            raise ValueError(f"HOPPERKERN_PDL must be one of 0, off, false, no (off) or 1, on, true, yes (on), "
+                             f"got {text!r}")
     return capability(device).pdl
 
 
