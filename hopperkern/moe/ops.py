@@ -125,8 +125,9 @@ def moe_forward_run(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tenso
 
 def plan_key(hidden, w13, w2, topk_weights, topk_ids, activation, tma, deterministic, config, save) -> tuple:
     """A forward plan's cache key: everything the plan depends on (devices, dtypes, shapes, strides, 16-byte
-    alignment, options, the effective ``HOPPERKERN_TMA`` / ``HOPPERKERN_CONFIG`` / ``HOPPERKERN_PDL``), which is also everything the
-    validation of ``fused_moe``'s arguments depends on (so a validated plan stands for a validated call)."""
+    alignment, options, the effective ``HOPPERKERN_TMA`` / ``HOPPERKERN_CONFIG`` / ``HOPPERKERN_PDL``), which is also
+    everything the validation of ``fused_moe``'s arguments depends on (so a validated plan stands for a validated
+    call)."""
     return (hidden.device, w13.get_device(), w2.get_device(), topk_weights.get_device(), topk_ids.get_device(),
             hidden.dtype, w13.dtype, w2.dtype, topk_weights.dtype, topk_ids.dtype, hidden.shape, hidden.stride(),
             w13.shape, w13.stride(), w2.shape, w2.stride(), topk_weights.shape, topk_weights.stride(), topk_ids.shape,

@@ -72,7 +72,8 @@ class Capability:
     reasons: tuple[str, ...]
     # Programmatic dependent launch (a kernel of a plan starts while the one before it drains, and waits on the
     # device before reading what that one wrote): sm_90 or newer, compiled (not interpreted), a CUDA (not ROCm)
-    # build of torch from CUDA 12.3, a Triton with the launch_pdl option and griddepcontrol (tl.extra.cuda.gdc_wait).
+    # build of torch from CUDA 12.3, a Triton with the launch_pdl option and griddepcontrol
+    # (tl.extra.cuda.gdc_wait).
     pdl: bool = False
 
     @property
