@@ -92,7 +92,8 @@ def compile_one(job):
         cfg = atomic_config(cfg, 2)  # as the launcher derives it
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   W_TMA=w_tma, Y_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten,
-                  PDL_WAIT=True, PDL_TRIGGER=True)  # as chained on the H200 (tma.launcher.chain_launches)
+                  # Chained (moe.configs.chain_decode) only at decode sizes, whose row blocks are 16 or 32.
+                  PDL_WAIT=cfg.block_m <= 32, PDL_TRIGGER=cfg.block_m <= 32)
     if gemm == 1:
         fn = K._gate_up_kernel
         vals = dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", pg_ptr="bf16", pu_ptr="bf16", slots_ptr="i32",

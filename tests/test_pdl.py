@@ -13,7 +13,7 @@ from hopperkern.moe._align_kernels import _align_count_kernel
 from hopperkern.tma import launcher
 from hopperkern.tma.launcher import Launch, chain_launches, clear_plans, pdl_enabled
 
-from conftest import DEVICE
+from test_launch_plans import moe_inputs
 
 gpu = pytest.mark.gpu
 
@@ -124,7 +124,7 @@ def test_a_bad_hopperkern_pdl_raises_before_any_launch(monkeypatch):
 
     monkeypatch.setattr(sys.modules["hopperkern.tma.capability"], "capability", lambda device=None: Fake())
     monkeypatch.setenv("HOPPERKERN_PDL", "maybe")
-    x, w13, w2, weights, ids = _moe_inputs(2)
+    x, w13, w2, weights, ids = moe_inputs(2, E=8)
     with pytest.raises(ValueError, match="HOPPERKERN_PDL"):
         moe_ops.ForwardPlan(x, w13, w2, weights, ids, "silu", "never", True, None, moe_ops.SAVE_NONE)
 
@@ -135,15 +135,6 @@ def test_hopperkern_pdl_is_part_of_every_plan_key(monkeypatch):
     assert launcher.env_key() != key
 
 
-def _moe_inputs(T, E=8, H=64, I=32, k=2, seed=0, device=DEVICE, dtype=torch.float32):  # noqa: E741
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((T, H), generator=gen)
-    w13 = torch.randn((E, 2 * I, H), generator=gen) / H ** 0.5
-    w2 = torch.randn((E, H, I), generator=gen) / I ** 0.5
-    weights, ids = moe.route(torch.randn((T, E), generator=gen), k)
-    return [t.to(device) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
-
-
 @pytest.mark.parametrize("T", [1, 24, 80])  # a direct plan; sorted plans (alignment launch) below and above 64
 def test_forward_plan_chains_decode_sizes(T, monkeypatch):
     """With PDL on, a fused_moe plan of up to PDL_MAX_TOKENS tokens chains its launches: the first waits in plain
@@ -151,7 +142,7 @@ def test_forward_plan_chains_decode_sizes(T, monkeypatch):
     import hopperkern.moe.configs as moe_configs
 
     monkeypatch.setattr(moe_configs, "pdl_enabled", lambda device=None: True)
-    x, w13, w2, weights, ids = _moe_inputs(T)
+    x, w13, w2, weights, ids = moe_inputs(T, E=8)
     plan = moe_ops.ForwardPlan(x, w13, w2, weights, ids, "silu", "never", True, None, moe_ops.SAVE_NONE)
     flags = [_flags(launch) for launch, _ in plan.steps]
     assert len(flags) >= 2
