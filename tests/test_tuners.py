@@ -42,6 +42,61 @@ def test_pick_fastest_rejects_nan_and_returns_none_when_nothing_is_left():
     assert best is None
 
 
+def _drifting(speed: dict, factor):
+    """run and timer of candidates whose time is ``speed[block_n] * factor(number of runs so far)``, and the
+    order in which the timer saw them."""
+    state = {"runs": 0, "bn": None}
+    order = []
+
+    def run(cfg):
+        state["runs"] += 1
+        state["bn"] = cfg.block_n
+
+    def timer(fn):
+        fn()
+        order.append(state["bn"])
+        return speed[state["bn"]] * factor(state["runs"])
+
+    return run, timer, order
+
+
+def test_pick_fastest_rotates_the_timing_order_over_rounds():
+    """Three rounds over three candidates: each candidate is timed once per round and takes each place once."""
+    run, timer, order = _drifting({16: 1.0, 32: 1.0, 64: 1.0}, lambda n: 1.0)
+    pick_fastest([_cfg(b) for b in (16, 32, 64)], run, timer, log=lambda m: None, rounds=3)
+    rounds = [order[i:i + 3] for i in range(0, 9, 3)]
+    assert all(sorted(r) == [16, 32, 64] for r in rounds)
+    assert all(sorted(r[place] for r in rounds) == [16, 32, 64] for place in range(3))
+
+
+def test_pick_fastest_settles_the_clock_before_timing():
+    """A GPU that runs 10 % faster for its first calls (a boost clock): timed at once, the first candidate wins
+    on the boost; after the settling calls the truly fastest one does."""
+    speed = {16: 1.0, 32: 1.0, 64: 0.97}
+    boost = lambda runs: 0.9 if runs <= 5 else 1.0  # noqa: E731
+    cands = [_cfg(b) for b in (16, 32, 64)]
+    run, timer, _ = _drifting(speed, boost)
+    assert pick_fastest(cands, run, timer, log=lambda m: None, rounds=1)[1] == _cfg(16)
+    run, timer, _ = _drifting(speed, boost)
+    assert pick_fastest(cands, run, timer, log=lambda m: None, rounds=3, settle_s=0.01) == (0.97, _cfg(64))
+
+
+def test_pick_fastest_ranks_by_the_median_round():
+    """One slow outlier round does not cost the fastest candidate its place; the log lists every round."""
+    calls = {"n": 0}
+    run, timer, _ = _drifting({16: 1.0, 32: 0.9}, lambda n: 1.0)
+
+    def spiky(fn):
+        calls["n"] += 1
+        return timer(fn) * (3.0 if calls["n"] == 2 else 1.0)  # the first round's second sample: 32's
+
+    logs = []
+    assert pick_fastest([_cfg(16), _cfg(32)], run, spiky, log=logs.append, rounds=3) == (0.9, _cfg(32))
+    assert any("rounds 2700.0, 900.0, 900.0" in m for m in logs)
+    with pytest.raises(ValueError, match="rounds"):
+        pick_fastest([_cfg(16)], run, timer, rounds=0)
+
+
 def test_rel_err_is_inf_for_non_finite_outputs():
     import torch
 

@@ -118,9 +118,12 @@ def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
 def _timer(graph: bool):
     import triton
 
-    # Eager buckets (>= 4096 tokens, milliseconds per call): 40 ms of samples, so the median is steady enough
-    # to rank candidates a few percent apart.
-    return graph_ms if graph else (lambda fn: triton.testing.do_bench(fn, warmup=5, rep=40))
+    # One of pick_fastest's rounds per call (three rounds per candidate). Eager buckets (>= 4096 tokens,
+    # milliseconds per call): 15 ms of samples per round.
+    return (lambda fn: graph_ms(fn, rep=15)) if graph else (lambda fn: triton.testing.do_bench(fn, warmup=5, rep=15))
+
+
+SETTLE_S = {True: 0.2, False: 0.5}  # seconds of back-to-back calls before a bucket's timing rounds (graph, eager)
 
 
 CHECK_ROWS = 32  # tokens compared with the fp32 reference per bucket (rows are independent), spread over T
@@ -155,13 +158,14 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                 make_plan = moe.direct_plan if moe.prefer_direct(T, top_k, E) else moe.moe_align  # as fused_moe
                 plan = make_plan(ids, E, bm)
                 timer = time_fn or _timer(T <= GRAPH_MAX_T)
+                settle = 0.0 if time_fn else SETTLE_S[T <= GRAPH_MAX_T]
                 probe2 = candidates(bm, 2)[0]  # finishes each gate/up candidate's output for the check
 
                 def err(out):
                     return rel_err(out[sel], ref)
 
                 g1 = pick_fastest(candidates(bm, 1), lambda cf: moe.gate_up(x, w13, plan, config=cf), timer,
-                                  log=log, what="gemm1", check=lambda cf: err(moe.down(
+                                  log=log, what="gemm1", settle_s=settle, check=lambda cf: err(moe.down(
                                       moe.gate_up(x, w13, plan, config=cf), w2, weights, ids, plan, config=probe2)))
                 if g1 is None:
                     continue
@@ -177,11 +181,13 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                     atomic = err(moe.down(inter, w2, weights, ids, plan, config=cf, deterministic=False))
                     return max(err(run2(cf)), atomic)
 
-                g2 = pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2", check=check2)
+                g2 = pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2", check=check2,
+                                  settle_s=settle)
                 fused = False
                 if plan.direct:  # the top-k sum inside the down GEMM: k times fewer, longer programs
                     g2f = pick_fastest(fused_candidates(bm), lambda cf: run2(cf, True), timer,
-                                       log=log, what="gemm2 fused", check=lambda cf: err(run2(cf, True)))
+                                       log=log, what="gemm2 fused", check=lambda cf: err(run2(cf, True)),
+                                       settle_s=settle)
                     if g2f is not None and (g2 is None or g2f[0] < g2[0]):
                         g2, fused = g2f, True
                 if g2 is None:

@@ -98,29 +98,73 @@ def rel_err(out, ref) -> float:
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: float = 2e-2):
+def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: float = 2e-2, rounds: int = 3,
+                 settle_s: float = 0.0):
     """(ms, config) of the fastest candidate that runs and computes the right thing, or None.
 
     ``run(cfg)`` launches the op with ``cfg`` (its first call compiles, outside any timing or graph capture);
     ``timer(fn)`` returns the milliseconds of ``fn``; ``check(cfg)``, when given, returns the candidate's error
     against a reference computed outside the kernels under test. A candidate that raises (shared memory,
     registers, compile) or whose error is above ``tol`` (a miscompiled or mis-indexed config) is logged and
-    skipped: a tuner must never ship a fast wrong config."""
-    best = None
+    skipped: a tuner must never ship a fast wrong config.
+
+    A GPU's clock drifts within seconds of sustained load (it boosts when idle and slows as it heats or meets
+    its power limit), so candidates timed one after another would favour whichever went first. So the
+    candidates that pass are timed after ``settle_s`` seconds of back-to-back calls of the first of them (the
+    clock's settling, not timed), in ``rounds`` rounds, round r in the order rotated by r places (every
+    candidate takes every place once when there are as many rounds as candidates), and ranked by the median
+    of their rounds, which is the ms returned."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    valid = []
     for cfg in cands:
         try:
             run(cfg)
             err = check(cfg) if check is not None else 0.0
-            if not err <= tol:  # also catches NaN
-                log(f"    {what} {cfg.model_dump()} skipped: error {err:.3g} > {tol:g} against the reference")
-                continue
-            ms = timer(lambda: run(cfg))
         except Exception as exc:  # out of shared memory / registers, compile error: skip the candidate
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            log(f"    {what} {cfg.model_dump()} skipped: {type(exc).__name__}: {str(exc)[:100]}")
+            _skip(log, what, cfg, exc)
             continue
-        log(f"    {what} {cfg.model_dump()} {ms * 1e3:.1f} us")
+        if not err <= tol:  # also catches NaN
+            log(f"    {what} {cfg.model_dump()} skipped: error {err:.3g} > {tol:g} against the reference")
+            continue
+        valid.append(cfg)
+    if valid and settle_s > 0:
+        _settle(lambda: run(valid[0]), settle_s)
+    samples: dict = {i: [] for i in range(len(valid))}
+    for r in range(rounds):
+        for j in range(len(valid)):
+            i = (j + r) % len(valid)
+            if i not in samples:  # failed in an earlier round
+                continue
+            cfg = valid[i]
+            try:
+                samples[i].append(timer(lambda: run(cfg)))
+            except Exception as exc:  # fails only when timed (a graph capture, say): drop the candidate
+                _skip(log, what, cfg, exc)
+                del samples[i]
+    best = None
+    for i, times in samples.items():
+        ms = statistics.median(times)
+        rounds_us = ", ".join(f"{t * 1e3:.1f}" for t in times)
+        log(f"    {what} {valid[i].model_dump()} {ms * 1e3:.1f} us (rounds {rounds_us})")
         if best is None or ms < best[0]:
-            best = (ms, cfg)
+            best = (ms, valid[i])
     return best
+
+
+def _settle(fn, seconds: float) -> None:
+    """Call ``fn`` back to back for about ``seconds`` (synchronising every few calls, so the queue stays short)."""
+    import time
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+def _skip(log, what, cfg, exc) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    log(f"    {what} {cfg.model_dump()} skipped: {type(exc).__name__}: {str(exc)[:100]}")
