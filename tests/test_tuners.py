@@ -97,6 +97,27 @@ def test_pick_fastest_ranks_by_the_median_round():
         pick_fastest([_cfg(16)], run, timer, rounds=0)
 
 
+def test_pick_fastest_compares_candidates_within_each_round():
+    """The clock drops between rounds (levels 1, 1.3, 1.6) and the truly fastest candidate (32) meets
+    interference in one round: ranked by their absolute medians, 16 would win; against each round's median, 32
+    does, and its median time is what comes back."""
+    true, level = {16: 1.0, 32: 0.98, 64: 1.05}, (1.0, 1.3, 1.6)
+    state = {"calls": 0, "bn": None}
+
+    def run(cfg):
+        state["bn"] = cfg.block_n
+
+    def timer(fn):
+        fn()
+        r = state["calls"] // 3
+        state["calls"] += 1
+        return true[state["bn"]] * level[r] * (1.5 if (r, state["bn"]) == (1, 32) else 1.0)
+
+    ms, cfg = pick_fastest([_cfg(b) for b in (16, 32, 64)], run, timer, log=lambda m: None, rounds=3)
+    assert cfg == _cfg(32)
+    assert ms == pytest.approx(0.98 * 1.6)
+
+
 def test_rel_err_is_inf_for_non_finite_outputs():
     import torch
 

@@ -112,8 +112,10 @@ def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: floa
     its power limit), so candidates timed one after another would favour whichever went first. So the
     candidates that pass are timed after ``settle_s`` seconds of back-to-back calls of the first of them (the
     clock's settling, not timed), in ``rounds`` rounds, round r in the order rotated by r places (every
-    candidate takes every place once when there are as many rounds as candidates), and ranked by the median
-    of their rounds, which is the ms returned."""
+    candidate takes every place once when there are as many rounds as candidates). Each time is divided by
+    its round's median (a clock that drops between rounds moves every candidate of the later rounds alike),
+    and the candidates are ranked by the median of those ratios. The ms returned is the winner's median time
+    (what a caller adds up across separate picks)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     valid = []
@@ -130,7 +132,7 @@ def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: floa
         valid.append(cfg)
     if valid and settle_s > 0:
         _settle(lambda: run(valid[0]), settle_s)
-    samples: dict = {i: [] for i in range(len(valid))}
+    samples: dict = {i: {} for i in range(len(valid))}  # candidate -> {round: ms}
     for r in range(rounds):
         for j in range(len(valid)):
             i = (j + r) % len(valid)
@@ -138,18 +140,22 @@ def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: floa
                 continue
             cfg = valid[i]
             try:
-                samples[i].append(timer(lambda: run(cfg)))
+                samples[i][r] = timer(lambda: run(cfg))
             except Exception as exc:  # fails only when timed (a graph capture, say): drop the candidate
                 _skip(log, what, cfg, exc)
                 del samples[i]
+    level = {r: statistics.median([t[r] for t in samples.values() if r in t]) for r in range(rounds)
+             if any(r in t for t in samples.values())}
     best = None
     for i, times in samples.items():
-        ms = statistics.median(times)
-        rounds_us = ", ".join(f"{t * 1e3:.1f}" for t in times)
-        log(f"    {what} {valid[i].model_dump()} {ms * 1e3:.1f} us (rounds {rounds_us})")
-        if best is None or ms < best[0]:
-            best = (ms, valid[i])
-    return best
+        score = statistics.median([ms / level[r] if level[r] > 0 else ms for r, ms in times.items()])
+        ms = statistics.median(times.values())
+        rounds_us = ", ".join(f"{t * 1e3:.1f}" for t in times.values())
+        log(f"    {what} {valid[i].model_dump()} {ms * 1e3:.1f} us (rounds {rounds_us}; {score:.3f} of the rounds' "
+            "medians)")
+        if best is None or score < best[0]:
+            best = (score, ms, valid[i])
+    return None if best is None else best[1:]
 
 
 def _settle(fn, seconds: float) -> None:
