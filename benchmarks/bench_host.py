@@ -20,8 +20,9 @@ small torch op (``small_torch_us``) and of one autograd round trip (``autograd_u
 through a custom Function that launches nothing, the engine's fixed cost that every backward call pays), to
 which the host figures are compared: absolute microseconds differ between hosts, these ratios hold.
 ``launches`` counts the kernels one call enqueues (torch profiler). ``lce.backward`` is the backward alone,
-``torch.autograd.grad`` over a kept forward graph (``retain_graph``); its ``host_net_us`` subtracts the
-autograd round trip, leaving what the op's own backward costs the host.
+``torch.autograd.grad`` over a kept forward graph (``retain_graph``), so on the 4-pass path (the 3-pass path's
+backward consumes what its forward kept, once); its ``host_net_us`` subtracts the autograd round trip, leaving
+what the op's own backward costs the host. ``grad_path`` names the path an LCE row with a backward ran.
 
     python -m benchmarks.bench_host --out DIR [--quick]
 """
@@ -166,6 +167,7 @@ def moe_rows(base, quick):
 
 def lce_rows(base):
     from hopperkern import lce
+    from hopperkern.lce import rl
 
     H, V = LCE_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -184,22 +186,25 @@ def lce_rows(base):
                 lp, ent = lce.linear_logprobs_entropy(h, w, y, check_labels=check)
                 return torch.autograd.grad((lp, ent), (h, w), (g, g))
 
+            auto_path = "3pass" if rl.use_3pass("auto", N, V, H, torch.bfloat16) else "4pass"
             for op, fn in (("lce.forward", fwd), ("lce.forward+backward", fwd_bwd)):
-                row = dict(base, op=op, shape=f"{H}x{V}", tokens=N, check=check, **host_row(fn, 100),
+                row = dict(base, op=op, shape=f"{H}x{V}", tokens=N, check=check,
+                           grad_path=auto_path if op == "lce.forward+backward" else "", **host_row(fn, 100),
                            eager_us=eager_us(fn, 50), launches=count_launches(fn))
                 if check != True:  # noqa: E712 - a synchronising check cannot be captured
                     row["graph_us"] = graph_us(fn, 20)
                 rows.append(row)
             if check == True:  # noqa: E712 - the check is in the forward
                 continue
-            kept = lce.linear_logprobs_entropy(h, w, y, check_labels=check)  # after the graphs: a kept graph's
-            # accumulate nodes would tie a capture to the default stream
+            # After the graphs: a kept graph's accumulate nodes would tie a capture to the default stream.
+            # retain_graph needs the 4-pass path.
+            kept = lce.linear_logprobs_entropy(h, w, y, check_labels=check, grad_path="4pass")
 
             def bwd():
                 return torch.autograd.grad(kept, (h, w), (g, g), retain_graph=True)
 
-            row = dict(base, op="lce.backward", shape=f"{H}x{V}", tokens=N, check=check, **host_row(bwd, 100),
-                       eager_us=eager_us(bwd, 50), launches=count_launches(bwd))
+            row = dict(base, op="lce.backward", shape=f"{H}x{V}", tokens=N, check=check, grad_path="4pass",
+                       **host_row(bwd, 100), eager_us=eager_us(bwd, 50), launches=count_launches(bwd))
             row["host_net_us"] = row["host_us"] - base["autograd_us"]
             rows.append(row)
             del kept
