@@ -249,6 +249,62 @@ def test_moe_tuner_skips_down_configs_whose_atomic_variant_fails(monkeypatch):
     assert any("gemm2 {" in m and "'block_n': 32" in m and "skipped: RuntimeError" in m for m in logs), logs
 
 
+def test_moe_final_pick_keeps_the_config_in_use_unless_beaten():
+    """The per-block_m winners run end to end beside the config in use: the fastest of them wins (the one in use
+    too), a wrong one never does, and a lone finalist is taken without timing."""
+    from hopperkern.tune.moe_tuner import _final_pick
+    from hopperkern.tuning import MoeConfig
+
+    def mc(bm, bn):
+        k = KernelConfig(block_m=bm, block_n=bn, block_k=32, group_m=1, num_warps=4, num_stages=2)
+        return MoeConfig(gemm1=k, gemm2=k)
+
+    a, b, current = mc(16, 32), mc(32, 32), mc(16, 64)
+    last = {}
+
+    def run(cfg):
+        last["cfg"] = cfg
+
+    def timer_for(speeds):
+        def timer(fn):
+            fn()
+            return speeds[last["cfg"]]
+        return timer
+
+    def err(out):
+        return 0.0
+
+    finalists = [(1.0, a), (1.1, b)]
+    quiet = lambda m: None  # noqa: E731
+    assert _final_pick(finalists, current, run, lambda o: 0.0, timer_for({a: 1.0, b: 1.1, current: 0.9}), 0.0,
+                       quiet) == (0.9, current)
+    assert _final_pick(finalists, current, run, lambda o: 0.0, timer_for({a: 1.0, b: 0.8, current: 0.9}), 0.0,
+                       quiet) == (0.8, b)
+    assert _final_pick(finalists, a, run, lambda o: 0.0, timer_for({a: 1.0, b: 0.8}), 0.0, quiet) == (0.8, b)
+    wrong = {"cfg": b}
+
+    def run_checked(cfg):
+        last["cfg"] = cfg
+        return cfg
+
+    got = _final_pick(finalists, None, run_checked, lambda out: 1.0 if out == wrong["cfg"] else 0.0,
+                      timer_for({a: 1.0, b: 0.8}), 0.0, quiet)
+    assert got == (1.0, a)
+    assert _final_pick([(2.0, a)], None, run, err, timer_for({}), 0.0, quiet) == (2.0, a)
+    assert _final_pick([(2.0, a)], a, run, err, timer_for({}), 0.0, quiet) == (2.0, a)
+    assert _final_pick([], None, run, err, timer_for({}), 0.0, quiet) is None
+
+
+def test_in_use_is_none_under_the_interpreter():
+    """Both tuners time the config in use beside their candidates on a GPU; under the interpreter there is none."""
+    import torch
+
+    from hopperkern.tune import lce_tuner, moe_tuner
+
+    assert moe_tuner.in_use(4, 64, 32, torch.float32, 8, 2, torch.device("cpu")) is None
+    assert lce_tuner.in_use("forward", torch.float32, 40, 64, torch.device("cpu")) is None
+
+
 def test_merge_into_file_keeps_other_entries(tmp_path, monkeypatch):
     """The one writer of tuning files: new buckets merge into the existing file, every other entry and section
     is kept, the device and Triton version are stamped, and the file is written in canonical order and loads

@@ -13,7 +13,7 @@ from .. import tuning
 from ..tuning import KernelConfig
 from .timing import pick_fastest, rel_err, time_cuda
 
-__all__ = ["CANDIDATES", "CHECK_ROWS", "LCE_BUCKETS", "LCE_SHAPES", "tune_lce"]
+__all__ = ["CANDIDATES", "CHECK_ROWS", "LCE_BUCKETS", "LCE_SHAPES", "in_use", "tune_lce"]
 
 LCE_SHAPES = ((4096, 128256), (896, 151936))  # (H, V) classes of the sweep; token buckets below
 LCE_BUCKETS = (2048, 16384)
@@ -40,6 +40,15 @@ def tune_lce(dtype=torch.bfloat16, buckets=LCE_BUCKETS, log=print) -> dict:
     for H, V in LCE_SHAPES:
         _tune_lce_shape(H, V, dtype, buckets, result, log)
     return result
+
+
+def in_use(phase: str, dtype, N: int, H: int, device) -> KernelConfig | None:
+    """The config the LCE runs now for this phase, dtype and size (the tuning file's entry, else the built-in
+    default); None under the interpreter. The tuner times it beside the candidates."""
+    from ..lce.launch import pick_config
+    from ..tma import interpreter_active
+
+    return None if interpreter_active() else pick_config(phase, dtype, N, H, device)
 
 
 CHECK_ROWS = 64  # tokens compared with the fp32 torch reference per bucket
@@ -82,7 +91,11 @@ def _tune_lce_shape(H, V, dtype, buckets, result, log, *, device="cuda", time_fn
                                        need_weight_grad=False, config=cfg)[0]
                     return rel_err(d_h[sel], ref_dh)
             # fp32 LSE of exact bf16 products: only summation order differs (~1e-6); d_hidden is rounded to bf16.
-            best = pick_fastest(candidates or CANDIDATES, run, time_fn or _bench, log=log,
+            cands = list(candidates or CANDIDATES)
+            current = in_use(phase, dtype, N, H, h.device)
+            if current is not None and current not in cands:
+                cands.append(current)  # a re-tune keeps the config in use unless a candidate beats it
+            best = pick_fastest(cands, run, time_fn or _bench, log=log,
                                 what=f"lce {phase} H={H} N={N}",
                                 check=check, tol=1e-4 if phase == "forward" else 2e-2,
                                 settle_s=0.0 if time_fn else SETTLE_S)

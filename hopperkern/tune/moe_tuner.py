@@ -1,12 +1,15 @@
 """MoE tuner: a small sweep of launch configs per (E, H, I, dtype) and token bucket on the current GPU.
 
-For each bucket the row block (block_m) comes from :func:`hopperkern.moe.configs.pick_block_m` plus its
-neighbours where the mean slots per expert sit near a block boundary; GEMM1 (gate/up) and GEMM2 (down, with
-its top-k reduction as fused_moe runs it) are then timed separately over a few candidates each, and the pair
-with the lowest summed time wins. Candidates that fail (shared memory, compile) are skipped, and so is every
-candidate whose result is off by more than 2 % from an fp32 reference of the whole MoE on 32 tokens spread
-over the batch (a gate/up candidate goes through a fixed down config; a slot-parallel down candidate is
-checked with both top-k reductions, as fused_moe may run either): a miscompiled config cannot win.
+For each bucket the row block (block_m) comes from :func:`hopperkern.moe.configs.pick_block_m` plus its neighbours
+where the mean slots per expert sit near a block boundary; GEMM1 (gate/up) and GEMM2 (down, with its top-k reduction
+as fused_moe runs it) are then timed separately over a few candidates each. The best pair of each block_m (and, for
+direct plans, of each top-k form) then runs as a whole ``fused_moe`` beside the config that ``fused_moe`` uses now
+(:func:`in_use`: the tuning file's entry or the heuristics), in the same interleaved rounds, and the fastest of
+those wins: a re-tune keeps the config in use unless a new one beats it in the same run, and block_m choices timed
+seconds apart are compared side by side. Candidates that fail (shared memory, compile) are skipped, and so is every
+candidate whose result is off by more than 2 % from an fp32 reference of the whole MoE on 32 tokens spread over the
+batch (a gate/up candidate goes through a fixed down config; a slot-parallel down candidate is checked with both
+top-k reductions, as fused_moe may run either): a miscompiled config cannot win.
 
 Buckets up to ``GRAPH_MAX_T`` tokens are timed as CUDA-graph replays of 10 launches, each after an L2 flush
 (:func:`hopperkern.tune.timing.graph_ms`): their kernels run for 10-500 us, where an eager loop would time the
@@ -23,8 +26,8 @@ from ..tuning import KernelConfig, MoeConfig, moe_key
 from .shapes import MOE_SHAPES
 from .timing import graph_ms, pick_fastest, rel_err
 
-__all__ = ["BUCKETS", "CHECK_ROWS", "GRAPH_MAX_T", "block_m_choices", "candidates", "fused_candidates", "tune_moe",
-           "tune_moe_default"]
+__all__ = ["BUCKETS", "CHECK_ROWS", "GRAPH_MAX_T", "block_m_choices", "candidates", "fused_candidates", "in_use",
+           "tune_moe", "tune_moe_default"]
 
 BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 GRAPH_MAX_T = 1024
@@ -129,6 +132,30 @@ SETTLE_S = {True: 0.2, False: 0.5}  # seconds of back-to-back calls before a buc
 CHECK_ROWS = 32  # tokens compared with the fp32 reference per bucket (rows are independent), spread over T
 
 
+def in_use(E: int, H: int, I: int, dtype, T: int, top_k: int, device) -> MoeConfig | None:  # noqa: E741
+    """The config ``fused_moe`` runs now for this problem (the tuning file's entry, else the heuristics); None
+    under the interpreter. The tuner keeps it unless a new config beats it in the same run."""
+    from ..moe.configs import moe_launch_config
+
+    cfg, source = moe_launch_config(E, H, I, dtype, T, top_k, device)
+    return None if source == "interpreter" else cfg
+
+
+def _final_pick(finalists, current, run, err, timer, settle: float, log):
+    """(ms, MoeConfig) among the per-block_m winners and the config in use (``current``), timed end to end
+    (``run(config)`` = fused_moe with it) in interleaved rounds; a lone finalist is taken as it is (with its
+    GEMMs' time). None when nothing passed."""
+    cands = [mc for _, mc in finalists]
+    if current is not None and current not in cands:
+        cands.append(current)
+    if len(cands) == 1 and finalists:
+        return finalists[0]
+    if not cands:
+        return None
+    return pick_fastest(cands, run, timer, log=log, what="fused_moe", settle_s=settle,
+                        check=lambda mc: err(run(mc)))
+
+
 def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: float = 180.0, log=print, *,
              device="cuda", time_fn=None):
     """Sweep configs for ``shapes`` ((E, H, I, top_k) tuples) at each token count; stop starting new buckets
@@ -153,17 +180,17 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
             weights, ids = moe.route(torch.randn((T, E), generator=gen, device=device), top_k)
             sel = torch.linspace(0, T - 1, min(T, CHECK_ROWS), device=device).long()  # spread over the batch
             ref = reference.fused_moe(x[sel], w13, w2, weights[sel], ids[sel], compute_dtype=torch.float32)
-            best = None
+            timer = time_fn or _timer(T <= GRAPH_MAX_T)
+            settle = 0.0 if time_fn else SETTLE_S[T <= GRAPH_MAX_T]
+
+            def err(out):
+                return rel_err(out[sel], ref)
+
+            finalists: list = []  # (gemm1 + gemm2 ms, MoeConfig): the best pair of each block_m and top-k form
             for bm in block_m_choices(T, top_k, E):
                 make_plan = moe.direct_plan if moe.prefer_direct(T, top_k, E) else moe.moe_align  # as fused_moe
                 plan = make_plan(ids, E, bm)
-                timer = time_fn or _timer(T <= GRAPH_MAX_T)
-                settle = 0.0 if time_fn else SETTLE_S[T <= GRAPH_MAX_T]
                 probe2 = candidates(bm, 2)[0]  # finishes each gate/up candidate's output for the check
-
-                def err(out):
-                    return rel_err(out[sel], ref)
-
                 g1 = pick_fastest(candidates(bm, 1), lambda cf: moe.gate_up(x, w13, plan, config=cf), timer,
                                   log=log, what="gemm1", settle_s=settle, check=lambda cf: err(moe.down(
                                       moe.gate_up(x, w13, plan, config=cf), w2, weights, ids, plan, config=probe2)))
@@ -181,26 +208,25 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                     atomic = err(moe.down(inter, w2, weights, ids, plan, config=cf, deterministic=False))
                     return max(err(run2(cf)), atomic)
 
-                g2 = pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2", check=check2,
-                                  settle_s=settle)
-                fused = False
+                downs = [(pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2", check=check2,
+                                       settle_s=settle), False)]
                 if plan.direct:  # the top-k sum inside the down GEMM: k times fewer, longer programs
-                    g2f = pick_fastest(fused_candidates(bm), lambda cf: run2(cf, True), timer,
-                                       log=log, what="gemm2 fused", check=lambda cf: err(run2(cf, True)),
-                                       settle_s=settle)
-                    if g2f is not None and (g2 is None or g2f[0] < g2[0]):
-                        g2, fused = g2f, True
-                if g2 is None:
-                    continue
-                total = g1[0] + g2[0]
-                log(f"  {key} T={T} block_m={bm}: gemm1 {g1[0] * 1e3:.1f} us {g1[1].model_dump()} | "
-                    f"gemm2{' fused top-k' if fused else ''} {g2[0] * 1e3:.1f} us {g2[1].model_dump()}")
-                if best is None or total < best[0]:
-                    best = (total, MoeConfig(gemm1=g1[1], gemm2=g2[1], fused_topk=fused))
+                    downs.append((pick_fastest(fused_candidates(bm), lambda cf: run2(cf, True), timer, log=log,
+                                               what="gemm2 fused", check=lambda cf: err(run2(cf, True)),
+                                               settle_s=settle), True))
+                for g2, fused in downs:
+                    if g2 is None:
+                        continue
+                    log(f"  {key} T={T} block_m={bm}: gemm1 {g1[0] * 1e3:.1f} us {g1[1].model_dump()} | "
+                        f"gemm2{' fused top-k' if fused else ''} {g2[0] * 1e3:.1f} us {g2[1].model_dump()}")
+                    finalists.append((g1[0] + g2[0], MoeConfig(gemm1=g1[1], gemm2=g2[1], fused_topk=fused)))
                 del inter, plan
+            best = _final_pick(finalists, in_use(E, H, I, dtype, T, top_k, x.device),
+                               lambda mc: moe.fused_moe(x, w13, w2, weights, ids, config=mc), err, timer, settle, log)
             if best is not None:
                 result.setdefault(key, {})[str(T)] = best[1]
-                log(f"tune_moe: {key} T={T}: {best[0] * 1e3:.1f} us (t+{time.time() - t0:.0f} s)")
+                log(f"tune_moe: {key} T={T}: {best[0] * 1e3:.1f} us {best[1].model_dump()} "
+                    f"(t+{time.time() - t0:.0f} s)")
             del x, weights, ids
         del w13, w2
         torch.cuda.empty_cache()
