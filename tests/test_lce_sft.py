@@ -178,6 +178,26 @@ def test_gradient_accumulation(mode):
     check_grads(got["3pass"], got["4pass"], SAME_ORDER_RTOL)
 
 
+def test_eager_3pass_calls_skip_the_custom_ops(monkeypatch):
+    """An eager differentiable call runs the 3-pass forward and backward through their autograd function, not
+    the custom ops (whose dispatch costs hundreds of microseconds of host time per call): with both ops made to
+    raise, the eager call still computes the 4-pass path's gradients, bias included."""
+    from hopperkern.lce import ops
+
+    inp = make_inputs(SHAPE, bias=True, ignore=0.3)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("custom op called in eager mode")
+
+    h, w, b = _leaves(inp)
+    expected = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", **FOUR), (h, w, b))
+    monkeypatch.setattr(ops, "lce_sft_forward_op", boom)
+    monkeypatch.setattr(ops, "lce_sft_backward_op", boom)
+    monkeypatch.setattr(lce.api, "lce_sft_forward_op", boom)
+    got = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", **THREE), (h, w, b))
+    check_grads(list(got), list(expected), SAME_ORDER_RTOL)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_activation_checkpointing(use_reentrant):
     """Under torch.utils.checkpoint (the forward re-run in the backward; the reentrant variant first runs it under

@@ -9,7 +9,8 @@ from .._validate import validate_once
 from ..tma.launcher import PlanCache, alignment_key, env_key
 from . import rl, sft
 from .launch import forward_plan_for, logprobs_direct, validate_inputs
-from .ops import LceFunction, _opts, lce_forward_impl, lce_forward_op, lce_rl_forward_op, lce_sft_forward_op
+from .ops import LceFunction, LceRlFunction, LceSftFunction, _opts, lce_forward_impl, lce_forward_op, lce_rl_forward_op
+from .ops import lce_sft_forward_op
 
 __all__ = ["linear_cross_entropy", "linear_logprobs_entropy"]
 
@@ -47,6 +48,14 @@ def _forward(process_group, grad: bool, *args):
     if grad:
         return LceFunction.apply(*args)
     return lce_forward_impl(*args, False, True)
+
+
+def _eager_or_op(function, op, *args):
+    """A 3-pass path's forward with autograd: its custom ``op`` where torch.compile traces or the tensors are meta
+    or fake, else its autograd ``function`` (the same forward and backward called directly: no dispatcher work)."""
+    if torch.compiler.is_compiling() or not real_tensor(args[0]):
+        return op(*args)
+    return function.apply(*args)
 
 
 def _validate(process_group, hidden, weight, labels, bias, options: tuple, **kw) -> None:
@@ -155,7 +164,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     if grad and reduction != "none" and process_group is None and sft.use_3pass(
             sft_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.element_size(),
             logits=sft.fp32_logits(hidden2d.dtype, softcap, label_smoothing)):
-        loss, _ = lce_sft_forward_op(*args, check, reduction == "mean")
+        loss, _ = _eager_or_op(LceSftFunction, lce_sft_forward_op, *args, check, reduction == "mean")
         return loss
     loss, _, _, _ = _forward(process_group, grad, *args, False, check)
     if reduction == "none":
@@ -221,8 +230,8 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     check = sync_check("check_labels", check_labels, lab)
     if grad and process_group is None and rl.use_3pass(grad_path, hidden2d.shape[0], weight.shape[0],
                                                        weight.shape[1], hidden2d.dtype):
-        _, logprob, entropy, _, _, _ = lce_rl_forward_op(hidden2d, weight, lab, ignore_index, float(temperature), tma,
-                                                         check)
+        _, logprob, entropy, _, _, _ = _eager_or_op(LceRlFunction, lce_rl_forward_op, hidden2d, weight, lab,
+                                                    ignore_index, float(temperature), tma, check)
     else:
         _, logprob, entropy, _ = _forward(process_group, grad, hidden2d, weight, lab, None, ignore_index, 0.0, 0.0,
                                           0.0, float(temperature), tma, True, check)

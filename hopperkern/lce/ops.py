@@ -6,6 +6,11 @@ path, any per-token upstream gradients), ``lce_sft_forward`` / ``lce_sft_backwar
 mean loss, :mod:`.sft`, whose forward returns the d(logits) that its backward multiplies) and ``lce_rl_forward`` /
 ``lce_rl_backward`` (the 3-pass path of per-token log-probs and entropies, :mod:`.rl`, whose forward returns the
 exponentials that its backward turns into d(logits) in place).
+
+Eager calls that autograd records skip the dispatcher: ``LceFunction``, ``LceSftFunction`` and ``LceRlFunction``
+run the same forward and backward functions as autograd functions (the custom ops' wrappers cost tens to hundreds
+of microseconds of host time per call), and the RL one bumps the version of what its backward overwrites, as the
+op's declared mutation does.
 """
 
 from __future__ import annotations
@@ -169,10 +174,9 @@ class LceFunction(torch.autograd.Function):
 # The 3-pass path of a sum or mean loss (hopperkern.lce.sft)
 
 
-@torch.library.custom_op("hopperkern::lce_sft_forward", mutates_args=())
-def lce_sft_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
-                       label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
-                       check: bool, mean: bool) -> tuple[Tensor, Tensor]:
+def lce_sft_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
+                         label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
+                         check: bool, mean: bool) -> tuple[Tensor, Tensor]:
     """(loss, dlogits): the 0-dim fp32 sum (``mean``: mean over kept tokens) of the per-token loss, and its
     gradient w.r.t. the logits as [N, padded_cols(V)] in hidden's dtype; see :func:`sft.lce_sft_forward`."""
     with launch_context(hidden, "hopperkern.lce"):
@@ -182,20 +186,25 @@ def lce_sft_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Opt
         return lce_sft_forward(hidden, weight, labels, bias, opts, mean=mean)
 
 
+lce_sft_forward_op = torch.library.custom_op("hopperkern::lce_sft_forward", mutates_args=())(lce_sft_forward_impl)
+
+
 @lce_sft_forward_op.register_fake
 def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, check, mean):
     return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0], padded_cols(weight.shape[0])))
 
 
-@torch.library.custom_op("hopperkern::lce_sft_backward", mutates_args=())
-def lce_sft_backward_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dlogits: Tensor, g: Tensor,
-                        need_hidden_grad: bool, need_weight_grad: bool, tma: str) -> tuple[Tensor, Tensor, Tensor]:
+def lce_sft_backward_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dlogits: Tensor, g: Tensor,
+                          need_hidden_grad: bool, need_weight_grad: bool, tma: str) -> tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) for the upstream gradient ``g`` (0-dim) of lce_sft_forward's loss; a gradient
     that is not needed comes back as an empty tensor. See :func:`sft.lce_sft_backward`."""
     with launch_context(hidden, "hopperkern.lce backward"):
         grads = lce_sft_backward(hidden, weight, bias, dlogits, g, need_hidden_grad=need_hidden_grad,
                                  need_weight_grad=need_weight_grad, tma=tma)
     return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
+
+
+lce_sft_backward_op = torch.library.custom_op("hopperkern::lce_sft_backward", mutates_args=())(lce_sft_backward_impl)
 
 
 @lce_sft_backward_op.register_fake
@@ -214,17 +223,43 @@ def _sft_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _sft_backward(ctx, g_loss, _):
+def _sft_grads(ctx, backward, g_loss):
+    """(d_hidden, d_weight, d_bias), None where not needed, through ``backward`` (the op or its function)."""
     hidden, weight, bias, dlogits = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = bias is not None and ctx.needs_input_grad[3]
     if g_loss is None or not (need_h or need_w or need_b):
-        return (None,) * 12
-    dh, dw, db = lce_sft_backward_op(hidden, weight, bias, dlogits, g_loss, need_h, need_w, ctx.tma)
-    return (dh if need_h else None, dw if need_w else None, None, db if need_b else None) + (None,) * 8
+        return None, None, None
+    dh, dw, db = backward(hidden, weight, bias, dlogits, g_loss, need_h, need_w, ctx.tma)
+    return dh if need_h else None, dw if need_w else None, db if need_b else None
+
+
+def _sft_backward(ctx, g_loss, _):
+    dh, dw, db = _sft_grads(ctx, lce_sft_backward_op, g_loss)
+    return (dh, dw, None, db) + (None,) * 8
 
 
 torch.library.register_autograd("hopperkern::lce_sft_forward", _sft_backward, setup_context=_sft_setup_context)
+
+
+class LceSftFunction(torch.autograd.Function):
+    """The 3-pass SFT op's autograd for eager calls: its forward and backward functions called directly, without
+    the custom ops' per-call work (hundreds of microseconds of host time). Traced calls use the ops."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma,
+                check, mean):
+        inputs = (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma,
+                  check, mean)
+        out = lce_sft_forward_impl(*inputs)
+        _sft_setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
+    def backward(ctx, g_loss, _):
+        dh, dw, db = _sft_grads(ctx, lce_sft_backward_impl, g_loss)
+        return (dh, dw, None, db) + (None,) * 8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -235,9 +270,8 @@ def _rl_opts(ignore_index, temperature, tma) -> LceOptions:
     return _opts(ignore_index, 0.0, 0.0, 0.0, temperature, tma)
 
 
-@torch.library.custom_op("hopperkern::lce_rl_forward", mutates_args=())
-def lce_rl_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, temperature: float, tma: str,
-                      check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def lce_rl_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, temperature: float,
+                        tma: str, check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, logprob, entropy, lse, e, mt): the per-token fp32 outputs and the exponentials and per-tile maxima
     the backward forms d(logits) from; see :func:`rl.lce_rl_forward`. ``e`` and ``mt`` are for the backward op
     only: a compiled region must not return them (the public functions drop them)."""
@@ -245,6 +279,9 @@ def lce_rl_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_ind
         if check:
             check_labels(labels, weight.shape[0], ignore_index)
         return lce_rl_forward(hidden, weight, labels, _rl_opts(ignore_index, temperature, tma))
+
+
+lce_rl_forward_op = torch.library.custom_op("hopperkern::lce_rl_forward", mutates_args=())(lce_rl_forward_impl)
 
 
 @lce_rl_forward_op.register_fake
@@ -313,16 +350,49 @@ def _rl_setup_context(ctx, inputs, output):
 
 
 def _rl_backward(ctx, g_loss, g_logprob, g_entropy, g_lse, _e, _mt):
+    # Eager: in place (version-checked). Traced: into a buffer of its own, as functionalisation would write an
+    # in-place update back over the saved tensors without the check.
+    op = lce_rl_backward_functional_op if torch.compiler.is_compiling() else lce_rl_backward_op
+    return _rl_grads(ctx, op, g_loss, g_logprob, g_entropy, g_lse) + (None,) * 5
+
+
+def _rl_grads(ctx, backward, g_loss, g_logprob, g_entropy, g_lse):
+    """(d_hidden, d_weight), None where not needed, through ``backward`` (an op, or :func:`_rl_backward_eager`)."""
     hidden, weight, labels, e, mt, lse, entropy, logprob = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     ups = _f32_grads(g_loss, g_logprob, g_entropy, g_lse)
     if not (need_h or need_w) or all(x is None for x in ups):
-        return (None,) * 7
-    # Eager: in place (version-checked). Traced: into a buffer of its own, as functionalisation would write an
-    # in-place update back over the saved tensors without the check.
-    op = lce_rl_backward_functional_op if torch.compiler.is_compiling() else lce_rl_backward_op
-    dh, dw = op(hidden, weight, labels, e, mt, lse, entropy, logprob, *ups, *ctx.opts, need_h, need_w)
-    return (dh if need_h else None, dw if need_w else None) + (None,) * 5
+        return None, None
+    dh, dw = backward(hidden, weight, labels, e, mt, lse, entropy, logprob, *ups, *ctx.opts, need_h, need_w)
+    return dh if need_h else None, dw if need_w else None
+
+
+def _rl_backward_eager(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
+                       ignore_index, temperature, tma, need_hidden_grad, need_weight_grad):
+    """lce_rl_backward_op's work called directly: e becomes d(logits) and mt NaN in place, and both get a new
+    version, as the op's declared mutation gives them, so a second backward through the graph raises."""
+    grads = _rl_backward_run(hidden, weight, labels, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy,
+                             g_lse, ignore_index, temperature, tma, need_hidden_grad, need_weight_grad, True)
+    torch.autograd.graph.increment_version((e, mt))
+    return grads
 
 
 torch.library.register_autograd("hopperkern::lce_rl_forward", _rl_backward, setup_context=_rl_setup_context)
+
+
+class LceRlFunction(torch.autograd.Function):
+    """The 3-pass log-prob / entropy op's autograd for eager calls: its forward and backward functions called
+    directly, without the custom ops' per-call work (hundreds of microseconds of host time). Traced calls use
+    the ops."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, temperature, tma, check):
+        inputs = (hidden, weight, labels, ignore_index, temperature, tma, check)
+        out = lce_rl_forward_impl(*inputs)
+        _rl_setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
+    def backward(ctx, g_loss, g_logprob, g_entropy, g_lse, _e, _mt):
+        return _rl_grads(ctx, _rl_backward_eager, g_loss, g_logprob, g_entropy, g_lse) + (None,) * 5
