@@ -7,10 +7,9 @@ mean loss, :mod:`.sft`, whose forward returns the d(logits) that its backward mu
 ``lce_rl_backward`` (the 3-pass path of per-token log-probs and entropies, :mod:`.rl`, whose forward returns the
 exponentials that its backward turns into d(logits) in place).
 
-Eager calls that autograd records skip the dispatcher: ``LceFunction``, ``LceSftFunction`` and ``LceRlFunction``
-run the same forward and backward functions as autograd functions (the custom ops' wrappers cost tens to hundreds
-of microseconds of host time per call), and the RL one bumps the version of what its backward overwrites, as the
-op's declared mutation does.
+Eager calls that autograd records skip the dispatcher: ``LceFunction``, ``LceSftFunction`` and ``LceRlFunction`` run
+the same forward and backward functions as autograd functions, without the custom ops' per-call wrappers, and the RL
+one bumps the version of what its backward overwrites, as the op's declared mutation does.
 """
 
 from __future__ import annotations
@@ -244,7 +243,7 @@ torch.library.register_autograd("hopperkern::lce_sft_forward", _sft_backward, se
 
 class LceSftFunction(torch.autograd.Function):
     """The 3-pass SFT op's autograd for eager calls: its forward and backward functions called directly, without
-    the custom ops' per-call work (hundreds of microseconds of host time). Traced calls use the ops."""
+    the custom ops' per-call dispatch work. Traced calls use the ops."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma,
@@ -382,8 +381,7 @@ torch.library.register_autograd("hopperkern::lce_rl_forward", _rl_backward, setu
 
 class LceRlFunction(torch.autograd.Function):
     """The 3-pass log-prob / entropy op's autograd for eager calls: its forward and backward functions called
-    directly, without the custom ops' per-call work (hundreds of microseconds of host time). Traced calls use
-    the ops."""
+    directly, without the custom ops' per-call dispatch work. Traced calls use the ops."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, temperature, tma, check):
