@@ -185,7 +185,8 @@ def test_second_backward_raises():
 
 def test_eager_3pass_calls_skip_the_custom_ops(monkeypatch):
     """An eager differentiable call runs the 3-pass forward and backward through their autograd function, not
-    the custom ops (and their per-call dispatch work): with both ops made to raise, the eager call still computes the 4-pass path's gradients."""
+    the custom ops (and their per-call dispatch work): with both ops made to raise, the eager call still
+    computes the 4-pass path's gradients."""
     from hopperkern.lce import ops
 
     inp = make_inputs(SMALL)

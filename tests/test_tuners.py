@@ -118,6 +118,31 @@ def test_pick_fastest_compares_candidates_within_each_round():
     assert ms == pytest.approx(0.98 * 1.6)
 
 
+def test_pick_fastest_survives_a_failed_settle_and_zero_rounds(monkeypatch):
+    """The settling calls raise (the candidate is kept: it runs in the rounds); a round whose times are all 0
+    (a graph time clamped at its baseline) ranks nobody, and the other rounds decide."""
+    import hopperkern.tune.timing as timing
+
+    state = {"bn": None, "calls": 0}
+
+    def run(cfg):
+        state["bn"] = cfg.block_n
+
+    def timer(fn):
+        fn()
+        state["calls"] += 1
+        return {16: 1.0, 32: 0.9}[state["bn"]] * (0.0 if state["calls"] <= 2 else 1.0)
+
+    def failing(fn, seconds):
+        raise RuntimeError("launch failed while settling")
+
+    monkeypatch.setattr(timing, "_settle", failing)
+    logs = []
+    best = pick_fastest([_cfg(16), _cfg(32)], run, timer, log=logs.append, rounds=3, settle_s=1.0)
+    assert any("settling" in m and "RuntimeError" in m for m in logs)
+    assert best == (0.9, _cfg(32))
+
+
 def test_rel_err_is_inf_for_non_finite_outputs():
     import torch
 
@@ -293,6 +318,7 @@ def test_moe_final_pick_keeps_the_config_in_use_unless_beaten():
     assert _final_pick([(2.0, a)], None, run, err, timer_for({}), 0.0, quiet) == (2.0, a)
     assert _final_pick([(2.0, a)], a, run, err, timer_for({}), 0.0, quiet) == (2.0, a)
     assert _final_pick([], None, run, err, timer_for({}), 0.0, quiet) is None
+    assert _final_pick([], current, run, err, timer_for({current: 1.0}), 0.0, quiet) is None  # nothing new passed
 
 
 def test_in_use_is_none_under_the_interpreter():

@@ -43,12 +43,22 @@ def tune_lce(dtype=torch.bfloat16, buckets=LCE_BUCKETS, log=print) -> dict:
 
 
 def in_use(phase: str, dtype, N: int, H: int, device) -> KernelConfig | None:
-    """The config the LCE runs now for this phase, dtype and size (the tuning file's entry, else the built-in
-    default); None under the interpreter. The tuner times it beside the candidates."""
+    """The config the LCE runs now for this phase, dtype and size: the entry of the tuning file it loads (which is
+    the file ``--out`` merges into only when they are the same file), else the built-in default; None under the
+    interpreter or when no file can be read. The tuner times it beside the candidates."""
+    import warnings
+
     from ..lce.launch import pick_config
     from ..tma import interpreter_active
 
-    return None if interpreter_active() else pick_config(phase, dtype, N, H, device)
+    if interpreter_active():
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return pick_config(phase, dtype, N, H, device)
+    except Exception:  # an unreadable tuning file: nothing to compare with (the runtime says what is wrong)
+        return None
 
 
 CHECK_ROWS = 64  # tokens compared with the fp32 torch reference per bucket

@@ -133,25 +133,33 @@ CHECK_ROWS = 32  # tokens compared with the fp32 reference per bucket (rows are 
 
 
 def in_use(E: int, H: int, I: int, dtype, T: int, top_k: int, device) -> MoeConfig | None:  # noqa: E741
-    """The config ``fused_moe`` runs now for this problem (the tuning file's entry, else the heuristics); None
-    under the interpreter. The tuner keeps it unless a new config beats it in the same run."""
+    """The config ``fused_moe`` runs now for this problem: the entry of the tuning file it loads (which is the
+    file ``--out`` merges into only when they are the same file), else the heuristics; None under the
+    interpreter or when no file can be read. The tuner keeps it unless a new config beats it in the same run."""
+    import warnings
+
     from ..moe.configs import moe_launch_config
 
-    cfg, source = moe_launch_config(E, H, I, dtype, T, top_k, device)
+    try:
+        with warnings.catch_warnings():  # "no entry, tune it": the tuner is doing so
+            warnings.simplefilter("ignore")
+            cfg, source = moe_launch_config(E, H, I, dtype, T, top_k, device)
+    except Exception:  # an unreadable tuning file: nothing to compare with (the runtime says what is wrong)
+        return None
     return None if source == "interpreter" else cfg
 
 
 def _final_pick(finalists, current, run, err, timer, settle: float, log):
     """(ms, MoeConfig) among the per-block_m winners and the config in use (``current``), timed end to end
     (``run(config)`` = fused_moe with it) in interleaved rounds; a lone finalist is taken as it is (with its
-    GEMMs' time). None when nothing passed."""
+    GEMMs' time). None without finalists (every candidate failed: the bucket keeps what it has)."""
+    if not finalists:
+        return None
     cands = [mc for _, mc in finalists]
     if current is not None and current not in cands:
         cands.append(current)
-    if len(cands) == 1 and finalists:
+    if len(cands) == 1:
         return finalists[0]
-    if not cands:
-        return None
     return pick_fastest(cands, run, timer, log=log, what="fused_moe", settle_s=settle,
                         check=lambda mc: err(run(mc)))
 

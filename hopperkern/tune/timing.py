@@ -131,7 +131,10 @@ def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: floa
             continue
         valid.append(cfg)
     if valid and settle_s > 0:
-        _settle(lambda: run(valid[0]), settle_s)
+        try:
+            _settle(lambda: run(valid[0]), settle_s)
+        except Exception as exc:  # the timing rounds below drop a candidate that fails again
+            _skip(log, what + " settling", valid[0], exc)
     samples: dict = {i: {} for i in range(len(valid))}  # candidate -> {round: ms}
     for r in range(rounds):
         for j in range(len(valid)):
@@ -148,7 +151,8 @@ def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: floa
              if any(r in t for t in samples.values())}
     best = None
     for i, times in samples.items():
-        score = statistics.median([ms / level[r] if level[r] > 0 else ms for r, ms in times.items()])
+        # A round whose median is 0 (graph_ms clamps a time below its baseline to 0) ranks nobody.
+        score = statistics.median([ms / level[r] if level[r] > 0 else 1.0 for r, ms in times.items()])
         ms = statistics.median(times.values())
         rounds_us = ", ".join(f"{t * 1e3:.1f}" for t in times.values())
         log(f"    {what} {valid[i].model_dump()} {ms * 1e3:.1f} us (rounds {rounds_us}; {score:.3f} of the rounds' "
