@@ -9,14 +9,18 @@ Shapes are N tokens x H hidden x V vocabulary. Floors (cuBLAS bf16, this run): 1
 upstream grads (floor 4G). A ratio of 1.0 is as fast as cuBLAS doing only those GEMMs; lower is better.
 
 Gradient paths: the ``hopperkern`` provider runs ``sft_path="auto"`` and ``grad_path="auto"`` (the 3-pass paths
-where N x V d(logits) or exponentials fit V x H x 4 bytes + 512 MiB, the rl one from H = 2048, else the 4-pass
-ones); ``hopperkern-3pass`` and ``hopperkern-4pass`` force each path on every shape (sft and rl rows), side by
-side with their peak extra memory. The CSV's ``sft_path`` column says which path each hopperkern sft or rl row
-ran.
+where N x V d(logits) or exponentials fit V x H x 4 bytes + 512 MiB, the rl one from H = 2048; for sft else the
+chunked 3-pass variant where its chunks hold 1536 tokens; else the 4-pass paths); ``hopperkern-3pass`` and
+``hopperkern-4pass`` force each path on every shape (sft and rl rows), ``hopperkern-chunked`` the chunked variant
+(sft rows), side by side with their peak extra memory. The CSV's ``sft_path`` column says which path each
+hopperkern sft or rl row ran.
 
 Timing: every provider and every floor is timed with calls enqueued back to back and one synchronisation at the
 end (benchmarks.common.time_cuda(back_to_back=True)), as in a training loop: host work overlaps the previous
-call's kernels, while a sync inside an op (hopperkern's default label check) still counts.
+call's kernels, while a sync inside an op (hopperkern's default label check) still counts. The GPU's clock drifts
+under sustained load (the same cuBLAS GEMM ~10 % slower after seconds of work on the H200), so each shape's
+floors are timed before and after its providers and the ratios use their mean; ``floor_drift`` is the 3G floor
+after over before.
 
     python -m benchmarks.bench_lce --out DIR [--quick] [--compile-shapes K]
     python -m benchmarks.bench_lce --plot-from benchmarks/results/lce_NVIDIA_H200.csv   # redraw, no GPU needed
@@ -49,6 +53,7 @@ PROVIDERS = {  # provider: what it runs (the plot's legend)
     "hopperkern": "hopperkern, tma='auto' (TMA for every eligible operand); sft_path / grad_path 'auto'",
     "hopperkern-3pass": "hopperkern, tma='auto', sft_path / grad_path '3pass' (d(logits) or exponentials kept)",
     "hopperkern-4pass": "hopperkern, tma='auto', sft_path / grad_path '4pass' (logits recomputed in the backward)",
+    "hopperkern-chunked": "hopperkern, tma='auto', sft_path 'chunked' (gradient GEMMs per token chunk in the forward)",
     "hopperkern-ptr": "hopperkern, tma='never' (pointer loads only)",
     "torch": "torch: h @ w.T, then F.cross_entropy / log_softmax on fp32 logits",
     "torch.compile": "torch.compile of the torch provider",
@@ -78,7 +83,7 @@ def _providers(compile_ok: bool):
         return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
     provs = {"hopperkern": hk("auto"), "hopperkern-3pass": hk("auto", "3pass"), "hopperkern-4pass": hk("auto", "4pass"),
-             "hopperkern-ptr": hk("never"),
+             "hopperkern-chunked": (hk("auto", "chunked")[0], None), "hopperkern-ptr": hk("never"),
              "torch": (torch_sft, torch_rl)}
     if compile_ok:
         provs["torch.compile"] = (torch.compile(torch_sft, dynamic=False), torch.compile(torch_rl, dynamic=False))
@@ -98,19 +103,17 @@ def _providers(compile_ok: bool):
 
 
 def _sft_path(provider, mode, N, H, V):
-    """Which gradient path a hopperkern provider's sft or rl row ran ("3pass" / "4pass"; "" for other rows): a
-    forced one, or what "auto" picks for bf16 at this shape (hopperkern.lce.sft.use_3pass, rl.use_3pass)."""
+    """Which gradient path a hopperkern provider's sft or rl row ran ("3pass" / "chunked" / "4pass"; "" for other
+    rows): a forced one, or what "auto" picks for bf16 at this shape (hopperkern.lce.sft.pick_path, rl.use_3pass)."""
     if mode == "fwd" or not provider.startswith("hopperkern"):
         return ""
     from hopperkern.lce import rl, sft
 
     forced = provider.rsplit("-", 1)[-1]
-    path = forced if forced in ("3pass", "4pass") else "auto"
+    path = forced if forced in ("3pass", "chunked", "4pass") else "auto"
     if mode == "sft":
-        three = sft.use_3pass(path, N, V, H, 2)
-    else:
-        three = rl.use_3pass(path, N, V, H, torch.bfloat16)
-    return "3pass" if three else "4pass"
+        return sft.pick_path(path, N, V, H, 2)
+    return "3pass" if rl.use_3pass(path, N, V, H, torch.bfloat16) else "4pass"
 
 
 def _floors(h, w, reps):
@@ -154,13 +157,12 @@ def run_case(N, H, V, provs, reps, with_errors, ceilings):
     y = torch.randint(0, V, (N,), device="cuda")
     g1 = torch.randn(N, device="cuda")
     g2 = torch.randn(N, device="cuda") * 0.1
-    floors = _floors(h, w, reps)
+    floors = _floors(h, w, reps)  # and again after the providers: see _mean_floors
     ref = _reference(h, w, y, g1, g2) if with_errors else None
     gc.collect()
     torch.cuda.empty_cache()
     rows = []
-    base = dict(N=N, H=H, V=V, floor_1G_ms=floors["1G"], floor_3G_ms=floors["3G"], floor_4G_ms=floors["4G"],
-                **ceilings)
+    base = dict(N=N, H=H, V=V, **ceilings)
     for name, (sft, rl) in provs.items():
         for mode in ("fwd", "sft", "rl"):
             fn = sft if mode == "sft" else rl
@@ -211,7 +213,7 @@ def run_case(N, H, V, provs, reps, with_errors, ceilings):
                             row["err_dh"] = _rel(hh.grad, ref["rl_dh"])
                             row["err_dw"] = _rel(ww.grad, ref["rl_dw"])
                 med, p20, p80 = time_cuda(step, warmup=0, reps=reps, back_to_back=True)
-                row.update(time_ms=med, p20_ms=p20, p80_ms=p80, ratio=med / floors[FLOORS[mode]])
+                row.update(time_ms=med, p20_ms=p20, p80_ms=p80)
             except Exception as exc:  # report and go on: one failing peer must not hide the rest
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 traceback.print_exc(limit=2)
@@ -220,6 +222,11 @@ def run_case(N, H, V, provs, reps, with_errors, ceilings):
             out.clear()
             gc.collect()
             torch.cuda.empty_cache()
+    after = _floors(h, w, reps)
+    for row in rows:
+        row.update({f"floor_{k}_ms": (floors[k] + after[k]) / 2 for k in floors}, floor_drift=after["3G"] / floors["3G"])
+        if row.get("time_ms") is not None:
+            row["ratio"] = row["time_ms"] / row[f"floor_{row['floor']}_ms"]
     return rows
 
 

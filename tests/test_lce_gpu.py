@@ -282,25 +282,27 @@ def _sft_paths_no_worse(inp, mode, reduction="mean", baseline_max=5e-2, out_atol
     (base,), base_grads = run(call(torch_lowp_cross_entropy, reduction=reduction, **options), inp, ups)
 
     def run_path(path):
-        with expect_path(mode, sft=path == "3pass"):
+        with expect_path(mode, sft=path != "4pass"):
             return run(call(lce.linear_cross_entropy, reduction=reduction, tma=mode, sft_path=path, **options), inp,
                        ups)
 
-    _paths_no_worse(run_path, ("loss",), ([want], want_grads), ([base], base_grads), baseline_max, out_atol)
+    _paths_no_worse(run_path, ("loss",), ([want], want_grads), ([base], base_grads), baseline_max, out_atol,
+                    paths=("3pass", "chunked", "4pass"))
 
 
-def _paths_no_worse(run_path, names, want, base, baseline_max, out_atol):
-    """``run_path(path)`` -> (outputs, grads) on both gradient paths: the outputs (``names``), d_hidden and
-    d_weight each within 2x torch's error (``base``: its outputs and grads) of fp64 (``want``), and the two paths'
-    grads within a few bf16 roundings of each other."""
+def _paths_no_worse(run_path, names, want, base, baseline_max, out_atol, paths=("3pass", "4pass")):
+    """``run_path(path)`` -> (outputs, grads) on each gradient path: the outputs (``names``), d_hidden and
+    d_weight each within 2x torch's error (``base``: its outputs and grads) of fp64 (``want``), and each path's
+    grads within a few bf16 roundings of the last path's."""
     got = {}
-    for path in ("3pass", "4pass"):
+    for path in paths:
         outs, grads = run_path(path)
         _no_worse_than_torch([*outs, *grads[:2]], [*base[0], *base[1][:2]], [*want[0], *want[1][:2]], names + GRADS,
                              baseline_max, out_atol)
         got[path] = grads
-    for name, a, b in zip(GRADS, got["3pass"], got["4pass"]):
-        assert rel_err(a, b) < 5e-3, f"{name}: 3-pass vs 4-pass"
+    for path in paths[:-1]:
+        for name, a, b in zip(GRADS, got[path], got[paths[-1]]):
+            assert rel_err(a, b) < 5e-3, f"{name}: {path} vs {paths[-1]}"
 
 
 @pytest.mark.parametrize("mode", ["always", "never"])
@@ -336,6 +338,31 @@ def test_sft_3pass_memory_within_its_budget():
     extra, grads = _sum_loss_peak_extra((N, V, H), "auto")
     budget = sft.budget_bytes(V, H) + grads + 32 * 2**20
     assert extra <= budget, f"3-pass peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+def test_sft_chunked_memory_within_its_budget():
+    """At 32768 x 4096 x 128256 "auto" takes the chunked variant (the kept d(logits) would not fit), and its forward +
+    backward stays within V x H x 4 + 512 MiB beyond the bf16 grads."""
+    from hopperkern.lce import sft
+
+    N, V, H = 32768, 128256, 4096
+    assert sft.pick_path("auto", N, V, H, 2) == "chunked"
+    extra, grads = _sum_loss_peak_extra((N, V, H), "auto")
+    budget = sft.budget_bytes(V, H) + grads + 32 * 2**20
+    assert extra <= budget, f"chunked peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+def test_bf16_sft_chunked_gradient_accumulation_scale():
+    """An upstream gradient of 1/3 (3-step accumulation: d_hidden rounded twice) keeps the chunked path's d_hidden and
+    d_weight within 2x torch's bf16 error of fp64, over several chunks."""
+    inp = _inputs(SFT_SHAPES[0].values[0])
+    ups = [torch.tensor(1.0 / 3.0, device=DEV)]
+    (want,), want_grads = run(call(ref.linear_cross_entropy), inp, ups, dtype=torch.float64)
+    (base,), base_grads = run(call(torch_lowp_cross_entropy), inp, ups)
+    with expect_path("auto", sft=True):
+        (loss,), grads = run(call(lce.linear_cross_entropy, sft_path="chunked"), inp, ups)
+    _no_worse_than_torch([loss, *grads[:2]], [base, *base_grads[:2]], [want, *want_grads[:2]], ("loss",) + GRADS,
+                         5e-2, 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -402,9 +402,9 @@ def test_store_z_config():
 
 
 PATH_ERRORS = [
-    pytest.param(dict(sft_path="2pass"), "sft_path must be one of ('auto', '3pass', '4pass'), got '2pass'",
+    pytest.param(dict(sft_path="2pass"), "sft_path must be one of ('auto', '3pass', 'chunked', '4pass'), got '2pass'",
                  id="unknown"),
-    pytest.param(dict(sft_path=None), "sft_path must be one of ('auto', '3pass', '4pass'), got None", id="None"),
+    pytest.param(dict(sft_path=None), "sft_path must be one of ('auto', '3pass', 'chunked', '4pass'), got None", id="None"),
     pytest.param(dict(sft_path="3pass", reduction="none"),
                  "sft_path must be 'auto' or '4pass' with reduction='none', got '3pass'", id="3pass with none"),
 ]

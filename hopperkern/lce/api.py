@@ -9,8 +9,8 @@ from .._validate import validate_once
 from ..tma.launcher import PlanCache, alignment_key, env_key
 from . import rl, sft
 from .launch import forward_plan_for, logprobs_direct, validate_inputs
-from .ops import LceFunction, LceRlFunction, LceSftFunction, _opts, lce_forward_impl, lce_forward_op, lce_rl_forward_op
-from .ops import lce_sft_forward_op
+from .ops import LceFunction, LceRlFunction, LceSftChunkedFunction, LceSftFunction, _opts, lce_forward_impl
+from .ops import lce_forward_op, lce_rl_forward_op, lce_sft_chunked_forward_op, lce_sft_forward_op
 
 __all__ = ["linear_cross_entropy", "linear_logprobs_entropy"]
 
@@ -119,18 +119,23 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             pass + one host sync), raising ValueError naming the bad labels. False: never check.
         process_group: None, or a ``torch.distributed.ProcessGroup`` over which the head is vocab-parallel (see
             below).
-        sft_path: "auto" | "3pass" | "4pass": how a differentiable "sum" or "mean" call computes its gradients.
-            "3pass": the forward also forms d(logits) and keeps it, N x V in the inputs' dtype, until the
+        sft_path: "auto" | "3pass" | "chunked" | "4pass": how a differentiable "sum" or "mean" call computes its
+            gradients. "3pass": the forward also forms d(logits) and keeps it, N x V in the inputs' dtype, until the
             backward, which is then two GEMMs: three passes over the vocab. d(logits) comes from the
             exponentials the forward stores in the inputs' dtype (two roundings of the exact value in bf16, one
-            in fp32), or with softcap, label smoothing or fp16 inputs from fp32 logits (one rounding). "4pass": the
+            in fp32), or with softcap, label smoothing or fp16 inputs from fp32 logits (one rounding). "chunked":
+            the same three passes per chunk of tokens, the forward running both gradient GEMMs on each chunk's
+            d(logits) and keeping d_hidden and an fp32 [V, H] d_weight sum for the backward to scale (two passes
+            when weight needs no gradient; extra memory V x H x 4 bytes + one chunk, sized to the budget below;
+            d_hidden rounded twice where the upstream gradient is no power of two). "4pass": the
             backward recomputes the logits (four passes; extra memory O(N H) + 128 MiB). "auto" (default) takes
             "3pass" from ``sft.MIN_TOKENS_3PASS`` tokens (1536; ``sft.MIN_TOKENS_FP32_LOGITS``, 4096, with softcap,
-            label smoothing or fp16) when its extra memory, N x V x itemsize plus scratch (``sft.extra_bytes``), is at most
-            V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass". In fp32 both give the same gradients
-            to fp32 rounding and summation order. A call under ``torch.no_grad()`` runs the plain forward either way;
-            ``reduction="none"`` and ``process_group`` always take "4pass" ("3pass" raises ValueError there).
-            See :mod:`hopperkern.lce.sft`.
+            label smoothing or fp16) when its extra memory, N x V x itemsize plus scratch (``sft.extra_bytes``), is at
+            most V x H x 4 bytes + 512 MiB (``sft.budget_bytes``); else (and for a frozen weight) "chunked" when
+            chunks of ``sft.MIN_CHUNK_TOKENS`` tokens (1536) or all N fit that budget; else "4pass"
+            (``sft.pick_path``). In fp32 all give the same gradients to fp32 rounding and summation order. A call
+            under ``torch.no_grad()`` runs the plain forward either way; ``reduction="none"`` and ``process_group``
+            always take "4pass" ("3pass" and "chunked" raise ValueError there). See :mod:`hopperkern.lce.sft`.
 
     Returns: float32 scalar, or labels.shape for reduction="none". Differentiable w.r.t. hidden, weight, bias.
 
@@ -161,11 +166,19 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     check = sync_check("check_labels", check_labels, lab)
     args = (hidden2d, weight, lab, bias, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0),
             float(temperature), tma)
-    if grad and reduction != "none" and process_group is None and sft.use_3pass(
-            sft_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.element_size(),
-            logits=sft.fp32_logits(hidden2d.dtype, softcap, label_smoothing)):
+    path = "4pass"
+    if grad and reduction != "none" and process_group is None:
+        path = sft.pick_path(sft_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.element_size(),
+                             logits=sft.fp32_logits(hidden2d.dtype, softcap, label_smoothing),
+                             need_hidden_grad=hidden2d.requires_grad, need_weight_grad=weight.requires_grad,
+                             bias=bias is not None)
+    if path == "3pass":
         loss, _ = _eager_or_op(LceSftFunction, lce_sft_forward_op, *args, check, reduction == "mean")
         return loss
+    if path == "chunked":
+        out = _eager_or_op(LceSftChunkedFunction, lce_sft_chunked_forward_op, *args, check, reduction == "mean",
+                           hidden2d.requires_grad, weight.requires_grad)
+        return out[0]
     loss, _, _, _ = _forward(process_group, grad, *args, False, check)
     if reduction == "none":
         return loss.view(labels.shape)

@@ -45,9 +45,10 @@ class LinearCrossEntropyLoss(nn.Module):
     ``labels.shape`` for ``reduction="none"``. ``"mean"`` divides by the kept tokens (0.0 when all are ignored).
     Gradients reach hidden, weight and bias. ``tma`` and ``check_labels`` are passed on to the function: see
     there (``check_labels``: "auto" checks without a host sync, bad labels turning into NaN; True checks with one).
-    ``sft_path`` ("auto" | "3pass" | "4pass") is too: "auto" keeps d(logits) from the forward for a two-GEMM
-    backward (3 passes over the vocab) when N x V of them fit V x H x 4 bytes + 512 MiB, and recomputes the logits
-    otherwise.
+    ``sft_path`` ("auto" | "3pass" | "chunked" | "4pass") is too: "auto" keeps d(logits) from the forward for a
+    two-GEMM backward (3 passes over the vocab) when N x V of them fit V x H x 4 bytes + 512 MiB; else runs the
+    gradient GEMMs in the forward, chunk by chunk of tokens, when chunks of 1536 tokens fit that budget; and
+    recomputes the logits otherwise.
     """
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,

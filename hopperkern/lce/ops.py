@@ -3,11 +3,14 @@
 Custom ops keep ``torch.compile(fullgraph=True)`` working: dynamo sees opaque ops with known output shapes
 instead of Triton launches and host-side checks. Three pairs: ``lce_forward`` / ``lce_backward`` (the 4-pass
 path, any per-token upstream gradients), ``lce_sft_forward`` / ``lce_sft_backward`` (the 3-pass path of a sum or
-mean loss, :mod:`.sft`, whose forward returns the d(logits) that its backward multiplies) and ``lce_rl_forward`` /
+mean loss, :mod:`.sft`, whose forward returns the d(logits) that its backward multiplies; its chunked variant
+``lce_sft_chunked_forward`` returns the gradients for an upstream gradient of 1, which its autograd formula scales)
+and ``lce_rl_forward`` /
 ``lce_rl_backward`` (the 3-pass path of per-token log-probs and entropies, :mod:`.rl`, whose forward returns the
 exponentials that its backward turns into d(logits) in place).
 
-Eager calls that autograd records skip the dispatcher: ``LceFunction``, ``LceSftFunction`` and ``LceRlFunction`` run
+Eager calls that autograd records skip the dispatcher: ``LceFunction``, ``LceSftFunction``,
+``LceSftChunkedFunction`` and ``LceRlFunction`` run
 the same forward and backward functions as autograd functions, without the custom ops' per-call wrappers, and the RL
 one bumps the version of what its backward overwrites, as the op's declared mutation does.
 """
@@ -23,7 +26,7 @@ from ..tma import launch_context
 from .launch import LceOptions, check_labels, lce_backward, lce_forward, pick_config
 from .rl import forward_config as rl_forward_config
 from .rl import lce_rl_backward, lce_rl_forward
-from .sft import lce_sft_backward, lce_sft_forward, padded_cols
+from .sft import lce_sft_backward, lce_sft_chunked_backward, lce_sft_chunked_forward, lce_sft_forward, padded_cols
 
 
 _OPTS: dict = {}
@@ -259,6 +262,117 @@ class LceSftFunction(torch.autograd.Function):
     def backward(ctx, g_loss, _):
         dh, dw, db = _sft_grads(ctx, lce_sft_backward_impl, g_loss)
         return (dh, dw, None, db) + (None,) * 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chunked variant of the 3-pass path (hopperkern.lce.sft): the forward computes the gradients
+
+
+def lce_sft_chunked_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor],
+                                 ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+                                 temperature: float, tma: str, check: bool, mean: bool, need_hidden_grad: bool,
+                                 need_weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d_hidden, d_weight_sum, d_bias_sum) for an upstream gradient of 1; see
+    :func:`sft.lce_sft_chunked_forward` (a gradient not asked for is an empty tensor)."""
+    with launch_context(hidden, "hopperkern.lce"):
+        if check:
+            check_labels(labels, weight.shape[0], ignore_index)
+        opts = _opts(ignore_index, label_smoothing, z_loss, softcap, temperature, tma)
+        return lce_sft_chunked_forward(hidden, weight, labels, bias, opts, mean=mean,
+                                       need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad)
+
+
+lce_sft_chunked_forward_op = torch.library.custom_op("hopperkern::lce_sft_chunked_forward",
+                                                     mutates_args=())(lce_sft_chunked_forward_impl)
+
+
+@lce_sft_chunked_forward_op.register_fake
+def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, check, mean,
+      need_hidden_grad, need_weight_grad):
+    f32 = torch.float32
+    none = hidden.new_empty((0,), dtype=f32)
+    return (hidden.new_empty((), dtype=f32),
+            hidden.new_empty((hidden.shape[0], hidden.shape[1])) if need_hidden_grad else none,
+            hidden.new_empty(tuple(weight.shape), dtype=f32) if need_weight_grad else none,
+            hidden.new_empty((weight.shape[0],), dtype=f32) if bias is not None else none)
+
+
+def _sft_chunked_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:])
+    weight, bias = inputs[1], inputs[3]
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def lce_sft_chunked_backward_impl(d_hidden: Tensor, d_weight_sum: Tensor, d_bias_sum: Tensor, g: Tensor,
+                                  weight_dtype: torch.dtype, bias_dtype: Optional[torch.dtype]
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_hidden, d_weight, d_bias): the chunked forward's gradients times ``g``; a gradient not computed comes back
+    as an empty tensor. See :func:`sft.lce_sft_chunked_backward`."""
+    grads = lce_sft_chunked_backward(d_hidden, d_weight_sum, d_bias_sum, g, weight_dtype, bias_dtype)
+    return tuple(x if x is not None else d_hidden.new_empty((0,)) for x in grads)
+
+
+lce_sft_chunked_backward_op = torch.library.custom_op("hopperkern::lce_sft_chunked_backward",
+                                                      mutates_args=())(lce_sft_chunked_backward_impl)
+
+
+@lce_sft_chunked_backward_op.register_fake
+def _(d_hidden, d_weight_sum, d_bias_sum, g, weight_dtype, bias_dtype):
+    return (torch.empty_like(d_hidden, memory_format=torch.contiguous_format),
+            d_weight_sum.new_empty(tuple(d_weight_sum.shape), dtype=weight_dtype) if d_weight_sum.dim() == 2
+            else d_hidden.new_empty((0,)),
+            d_bias_sum.new_empty(tuple(d_bias_sum.shape), dtype=bias_dtype) if bias_dtype is not None
+            else d_hidden.new_empty((0,)))
+
+
+def _sft_chunked_grads(ctx, backward, g_loss):
+    """The gradients of the chunked op's inputs (None where not needed) through ``backward`` (op or function)."""
+    if g_loss is None:
+        return (None,) * 14
+    dh, dw, db = backward(*ctx.saved_tensors, g_loss, *ctx.dtypes)
+    keep = lambda t, i: t if ctx.needs_input_grad[i] else None  # noqa: E731
+    return (keep(dh, 0), keep(dw, 1), None, keep(db, 3)) + (None,) * 10
+
+
+def _sft_chunked_backward(ctx, g_loss, *_):
+    return _sft_chunked_grads(ctx, lce_sft_chunked_backward_op, g_loss)
+
+
+torch.library.register_autograd("hopperkern::lce_sft_chunked_forward", _sft_chunked_backward,
+                               setup_context=_sft_chunked_setup_context)
+
+
+class LceSftChunkedFunction(torch.autograd.Function):
+    """The chunked SFT op's autograd for eager calls: its forward function called directly, without the custom
+    op's per-call dispatch work, and a backward that scales the kept d_hidden in place (one backward per forward).
+    Traced calls use the ops (the backward op writes a new d_hidden)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma,
+                check, mean, need_hidden_grad, need_weight_grad):
+        inputs = (hidden, weight, labels, bias)
+        out = lce_sft_chunked_forward_impl(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss,
+                                           softcap, temperature, tma, check, mean, need_hidden_grad,
+                                           need_weight_grad)
+        _sft_chunked_setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
+    def backward(ctx, g_loss, *_):
+        return _sft_chunked_grads(ctx, _sft_chunked_backward_eager, g_loss)
+
+
+def _sft_chunked_backward_eager(d_hidden, d_weight_sum, d_bias_sum, g, weight_dtype, bias_dtype):
+    """The eager backward: d_hidden scaled in place and returned as the gradient (no second [N, H] buffer), with a
+    new version, so a second backward through a retained graph raises rather than scaling it twice."""
+    grads = lce_sft_chunked_backward(d_hidden, d_weight_sum, d_bias_sum, g, weight_dtype, bias_dtype,
+                                     in_place=True)
+    if grads[0] is not None:
+        torch.autograd.graph.increment_version(d_hidden)
+    return grads
 
 
 # ---------------------------------------------------------------------------------------------------------------

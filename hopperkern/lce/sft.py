@@ -27,11 +27,25 @@ with fp32 accumulation, g applied to the fp32 sum and one rounding (no second ro
 ``lce_dweight_kernel``, g in its epilogue; of fp32 inputs: cuBLAS in vocab slices of at most ``DW_SLICE_BUDGET``
 fp32 bytes.
 
+Chunked variant (:func:`lce_sft_chunked_forward`, ``sft_path="chunked"``) where the kept d(logits) would not fit:
+the forward takes the tokens in chunks of C (:func:`chunk_tokens`); for each chunk it forms d(logits) as above into
+one reused [C, V] buffer and runs both gradient GEMMs on it at once, cuBLAS with fp32 output: the chunk's rows of
+d_hidden (its K dim, the vocabulary, whole in one GEMM; rounded to the inputs' dtype) and a d_weight sum over the
+chunks in an fp32 [V, H] buffer (and d_bias's in fp32 [V]). The backward only scales them by g, in fp32:
+``d_weight = round(g * sum)`` (one rounding of the fp32 sum), ``d_hidden = round(g * d_hidden)``, a second
+rounding unless g is a power of two (1 for ``loss.backward()``, 1/2^k gradient accumulation, loss scaling), which
+the GPU tests bound within 2x fp32-torch's error. An eager backward scales d_hidden in place, so the kept d_hidden
+is the gradient's own memory and serves one backward (a second one through a retained graph raises RuntimeError). A weight that needs no gradient (a frozen head) skips the d_weight
+GEMM and its fp32 sum: two passes over the vocabulary. Extra memory: the fp32 sums plus one chunk's d(logits) and
+scratch, at most :func:`budget_bytes`.
+
 Memory rule (``sft_path="auto"``): the 3-pass path runs from ``MIN_TOKENS_3PASS`` tokens (``MIN_TOKENS_FP32_LOGITS``
 where the forward keeps fp32 logits) when its extra memory, :func:`extra_bytes` (the kept d(logits), N x V in the
 inputs' dtype, plus the larger of the forward's scratch (the per-tile maxima, or the fp32 logits chunk) and the
 backward's fp32 d_hidden (and, for fp32 inputs, d_weight slice)), is at most :func:`budget_bytes` = V x H x 4
-bytes (an fp32 copy of the weight) + ``EXTRA_BUDGET`` (512 MiB). Otherwise, and always for ``reduction="none"``
+bytes (an fp32 copy of the weight) + ``EXTRA_BUDGET`` (512 MiB); otherwise, or when the weight needs no gradient,
+the chunked variant from the same token count when its chunks, sized to that budget, hold at least
+``MIN_CHUNK_TOKENS`` tokens (or all of them) (:func:`pick_path`). Otherwise, and always for ``reduction="none"``
 and vocab-parallel calls, the 4-pass path runs (extra memory O(N H) + 128 MiB). Per-token log-probs and entropies
 (``linear_logprobs_entropy``) have a 3-pass path of their own under the same memory rule (:mod:`.rl`).
 """
@@ -47,10 +61,11 @@ from ..tuning import KernelConfig
 from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
-__all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
+__all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
+           "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
            "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "narrow_tiles", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
 
-SFT_PATHS = ("auto", "3pass", "4pass")
+SFT_PATHS = ("auto", "3pass", "chunked", "4pass")
 EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
 # "auto" takes the 3-pass path from this many tokens. Measured on the H200 (bf16, sum loss, two runs): the 3-pass
 # path took 0.81-0.83x the 4-pass path's time at 1937 x 3584 x 152064 and 0.93x at 2169 x 896 x 151936; 0.76-0.78x
@@ -60,6 +75,11 @@ MIN_TOKENS_3PASS = 1536
 # The same where the forward keeps fp32 logits (softcap, fp16): its token chunks took 1.17x and 1.43x the 4-pass
 # path's time at those two ~2k-token shapes, 0.83-0.90x from 8192 tokens (H200, bf16, one run).
 MIN_TOKENS_FP32_LOGITS = 4096
+# "auto" takes the chunked variant when its chunks hold at least this many tokens. Measured on the H200 (bf16, sum
+# loss, one run, time / 3G): 2048-token chunks 1.15-1.20 where the 4-pass path took 1.41-1.47 (32768 x 4096 x
+# 128256, 16384 x 3584 x 152064, 8192 x 2304 x 256000); 1024-token chunks 1.20-1.44, no better than the 4-pass
+# path at V = 256000 (the fp32 d_weight sum is read and written once per chunk).
+MIN_CHUNK_TOKENS = 1536
 LOGITS_CHUNK_BUDGET = 256 * 2**20  # bytes of the forward's fp32 [C, V] logits of one token chunk, at least
 LOGITS_CHUNK_MAX = 2**30  # and at most: a chunk takes what the memory budget leaves beside the kept d(logits)
 DW_SLICE_BUDGET = 32 * 2**20  # bytes of the backward's fp32 [Vs, H] d_weight slice (small enough to stay in L2)
@@ -128,12 +148,12 @@ def budget_bytes(V: int, H: int) -> int:
 
 
 def check_sft_path(sft_path, reduction: str, *, sharded: bool = False) -> None:
-    """ValueError for an unknown ``sft_path``, and for "3pass" where only the 4-pass path applies."""
+    """ValueError for an unknown ``sft_path``, and for "3pass" or "chunked" where only the 4-pass path applies."""
     check_choice("sft_path", sft_path, SFT_PATHS)
-    if sft_path == "3pass" and (reduction == "none" or sharded):
+    if sft_path in ("3pass", "chunked") and (reduction == "none" or sharded):
         what = "reduction='none'" if reduction == "none" else "a process_group (vocab-parallel)"
-        raise ValueError(f"sft_path must be 'auto' or '4pass' with {what}, got '3pass' (the 3-pass path is for "
-                         "sum and mean losses of an unsharded head)")
+        raise ValueError(f"sft_path must be 'auto' or '4pass' with {what}, got {sft_path!r} (the 3-pass paths "
+                         "are for sum and mean losses of an unsharded head)")
 
 
 def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int, *, logits: bool = False) -> bool:
@@ -145,6 +165,44 @@ def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int, *, logits: bool 
         return sft_path == "3pass"
     least = MIN_TOKENS_FP32_LOGITS if logits else MIN_TOKENS_3PASS
     return N >= least and extra_bytes(N, V, H, elem, logits=logits) <= budget_bytes(V, H)
+
+
+def _chunk_fit(V: int, H: int, elem: int, *, logits: bool, need_hidden_grad: bool, need_weight_grad: bool,
+               bias: bool, budget: int | None) -> int:
+    """Tokens whose chunk memory fits what ``budget`` leaves beside the fp32 sums (0 or more, not rounded)."""
+    left = (budget_bytes(V, H) if budget is None else budget) - (V * H * 4 if need_weight_grad else 0) \
+        - (V * 4 if bias else 0)
+    ld = padded_cols(V)
+    per_token = ld * elem + (ld * 4 if logits else _max_tiles(V) * 4) + (H * 4 if need_hidden_grad else 0)
+    return max(0, left // per_token)
+
+
+def chunk_tokens(V: int, H: int, elem: int, *, logits: bool = False, need_hidden_grad: bool = True,
+                 need_weight_grad: bool = True, bias: bool = False, budget: int | None = None) -> int:
+    """Tokens per chunk of the chunked variant: whole row blocks of 128 whose d(logits) (``elem`` bytes each), forward
+    scratch (the per-tile maxima, or with ``logits`` fp32 logits) and fp32 d_hidden rows fit what ``budget`` (default
+    :func:`budget_bytes`) leaves beside the fp32 d_weight sum (and d_bias sum); at least one row block."""
+    fit = _chunk_fit(V, H, elem, logits=logits, need_hidden_grad=need_hidden_grad,
+                     need_weight_grad=need_weight_grad, bias=bias, budget=budget)
+    return max(128, fit // 128 * 128)
+
+
+def pick_path(sft_path: str, N: int, V: int, H: int, elem: int, *, logits: bool = False,
+              need_hidden_grad: bool = True, need_weight_grad: bool = True, bias: bool = False) -> str:
+    """The path a differentiable sum/mean call takes: "3pass", "chunked" or "4pass". A forced one as it is; ``"auto"``:
+    below ``MIN_TOKENS_3PASS`` tokens (``MIN_TOKENS_FP32_LOGITS`` with ``logits``) "4pass"; "3pass" where
+    :func:`use_3pass` holds and the weight needs a gradient; else "chunked" where its chunks
+    (:func:`chunk_tokens`) hold ``MIN_CHUNK_TOKENS`` tokens or all N; else "4pass"."""
+    check_choice("sft_path", sft_path, SFT_PATHS)
+    if sft_path != "auto":
+        return sft_path
+    if N < (MIN_TOKENS_FP32_LOGITS if logits else MIN_TOKENS_3PASS):
+        return "4pass"
+    if need_weight_grad and use_3pass("auto", N, V, H, elem, logits=logits):
+        return "3pass"
+    fit = _chunk_fit(V, H, elem, logits=logits, need_hidden_grad=need_hidden_grad,
+                     need_weight_grad=need_weight_grad, bias=bias, budget=None)
+    return "chunked" if fit >= min(N, MIN_CHUNK_TOKENS) else "4pass"
 
 
 _STORE_Z_TILE = 128 * 128  # BLOCK_N x BLOCK_V from which a forward that stores its logits is re-tiled
@@ -207,14 +265,17 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     return (total / count if mean else total), dl
 
 
-def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config) -> torch.Tensor:
+def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, z=None) -> torch.Tensor:
     """The sum of the per-token losses, with d(logits) written to ``dl``: per token chunk, a forward that stores
-    its fp32 logits, then d(logits) from them (any dtype and options; softcap's tanh factor needs the logits)."""
+    its fp32 logits, then d(logits) from them (any dtype and options; softcap's tanh factor needs the logits).
+    ``z``: the fp32 [C, padded_cols(V)] logits buffer (C tokens a chunk), else one sized by :func:`chunk_bytes`."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     cfg = config or store_z_config(pick_config("forward", hidden2d.dtype, N, H, hidden2d.device))
-    C = min(N, chunk_rows(V, cfg.block_m, chunk_bytes(N, V, H, hidden2d.element_size())))
-    z = torch.empty((C, padded_cols(V)), dtype=torch.float32, device=hidden2d.device)
+    if z is None:
+        C = min(N, chunk_rows(V, cfg.block_m, chunk_bytes(N, V, H, hidden2d.element_size())))
+        z = torch.empty((C, padded_cols(V)), dtype=torch.float32, device=hidden2d.device)
+    C = z.shape[0]
     bn, bv = _row_blocks()
     d = _tma.decide(opts.tma, {"logits": (z, (bn, bv)), "dlogits": (dl, (bn, bv))}, op=_SFT_OP)
     scal = (*_sft_scalars(opts), float(opts.softcap or 1.0), opts.inv_temp)
@@ -232,13 +293,15 @@ def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scal
     return torch.stack(losses).sum()
 
 
-def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config) -> torch.Tensor:
+def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, mt=None) -> torch.Tensor:
     """The sum of the per-token losses, with d(logits) written to ``dl``: one forward over all tokens that stores
-    the exponentials, then the in-place fix-up (bf16 or fp32, no softcap, no label smoothing)."""
+    the exponentials, then the in-place fix-up (bf16 or fp32, no softcap, no label smoothing). ``mt``: the fp32
+    per-tile maxima buffer ([>= N, >= V / block_n]), else one of that size."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     cfg = config or pick_config("forward", hidden2d.dtype, N, H, hidden2d.device)
-    mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=hidden2d.device)
+    if mt is None:
+        mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=hidden2d.device)
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
                                         pick_label=True, e_out=(dl, mt))
     bn, bv = _FIXUP_BLOCKS_INTERPRETED if _tma.interpreter_active() else _FIXUP_BLOCKS
@@ -322,4 +385,84 @@ def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits
             # d_weight rows of this slice: one GEMM over all N tokens (K = N), fp32 out, then g and one rounding.
             _acc_mm_f32(acc[:n], dl[:, v0:v0 + n].t(), hidden2d, beta=0)
             _scaled(acc[:n], g, d_w[v0:v0 + n])
+    return d_h, d_w, d_b
+
+
+def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias,
+                            opts: LceOptions, *, mean: bool, need_hidden_grad: bool = True,
+                            need_weight_grad: bool = True, chunk: int | None = None,
+                            config: KernelConfig | None = None):
+    """``(loss, d_hidden, d_weight_sum, d_bias_sum)`` of the chunked variant for an upstream gradient of 1: the fp32
+    sum (or mean over kept tokens) of the per-token loss; d_hidden [N, H] in the inputs' dtype; the fp32 [V, H]
+    d_weight sum and fp32 [V] d_bias sum over every token. One not asked for (``need_*``; d_bias without bias) is an
+    empty tensor. ``chunk``: tokens per chunk (default :func:`chunk_tokens`). Inputs must be validated already.
+    :func:`lce_sft_chunked_backward` scales them by the upstream gradient."""
+    _tma.check_interpreter(hidden2d.dtype, "lce.forward")
+    N, H = hidden2d.shape
+    V = weight.shape[0]
+    dev, dt, f32 = hidden2d.device, hidden2d.dtype, torch.float32
+    none = torch.empty(0, dtype=f32, device=dev)
+    d_h = torch.empty((N, H), dtype=dt, device=dev) if need_hidden_grad else none
+    d_w = torch.empty((V, H), dtype=f32, device=dev) if need_weight_grad else none
+    d_b = torch.zeros(V, dtype=f32, device=dev) if bias is not None else none
+    if N == 0:
+        d_w.zero_()
+        return torch.zeros((), dtype=f32, device=dev), d_h, d_w, d_b
+    count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
+    scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
+    logits = fp32_logits(dt, opts.softcap, opts.label_smoothing)
+    C = min(N, chunk or chunk_tokens(V, H, hidden2d.element_size(), logits=logits, need_hidden_grad=need_hidden_grad,
+                                     need_weight_grad=need_weight_grad, bias=bias is not None))
+    ld = padded_cols(V)
+    dl = torch.empty((C, ld), dtype=dt, device=dev)
+    if logits:
+        cfg = config or store_z_config(pick_config("forward", dt, C, H, dev))
+        scratch = torch.empty((C, ld), dtype=f32, device=dev)
+    else:
+        cfg = config or pick_config("forward", dt, C, H, dev)
+        scratch = torch.empty((C, cdiv(V, cfg.block_n)), dtype=f32, device=dev)
+    # fp32 rows of d_hidden where cuBLAS returns 16-bit inputs' products in fp32: one rounding into d_h.
+    acc_h = torch.empty((C, H), dtype=f32, device=dev) if need_hidden_grad and dt != f32 else None
+    losses = []
+    for c0 in range(0, N, C):
+        rows = min(C, N - c0)
+        h_c, lab, dl_c = hidden2d[c0:c0 + rows], labels1d[c0:c0 + rows], dl[:rows]
+        if logits:
+            losses.append(_forward_logits(h_c, weight, lab, bias, opts, dl_c, scale, cfg, z=scratch[:rows]))
+        else:
+            losses.append(_forward_exp(h_c, weight, lab, bias, opts, dl_c, scale, cfg, mt=scratch[:rows]))
+        d = dl_c[:, :V]
+        if need_hidden_grad and acc_h is None:
+            torch.mm(d, weight, out=d_h[c0:c0 + rows])
+        elif need_hidden_grad:
+            _acc_mm_f32(acc_h[:rows], d, weight, beta=0)
+            d_h[c0:c0 + rows].copy_(acc_h[:rows])
+        if need_weight_grad:
+            _acc_mm_f32(d_w, d.t(), h_c, beta=int(c0 > 0))
+        if bias is not None:
+            d_b += d.sum(0, dtype=f32)
+    total = torch.stack(losses).sum()
+    return (total / count if mean else total), d_h, d_w, d_b
+
+
+def lce_sft_chunked_backward(d_hidden: torch.Tensor, d_weight_sum: torch.Tensor, d_bias_sum: torch.Tensor,
+                             g: torch.Tensor, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
+                             in_place: bool = False):
+    """``(d_hidden, d_weight, d_bias)`` of the chunked variant for the 0-dim upstream gradient ``g`` of its loss:
+    :func:`lce_sft_chunked_forward`'s outputs times g in fp32, rounded once to their dtypes (d_hidden, already
+    rounded in the forward, is rounded again unless g is a power of two). ``in_place``: d_hidden is scaled in its
+    own memory and returned (no second [N, H] buffer; what was kept then serves one backward). A gradient the forward
+    did not compute (an empty input; d_bias without ``bias_dtype``) gives None."""
+    g = g.to(device=d_hidden.device, dtype=torch.float32)
+    d_h = None
+    if d_hidden.dim() == 2:
+        d_h = d_hidden if in_place else torch.empty_like(d_hidden, memory_format=torch.contiguous_format)
+        # The product in fp32 (a 16-bit operand would round g first), in row slices of <= DW_SLICE_BUDGET bytes.
+        step = max(1, DW_SLICE_BUDGET // (4 * max(1, d_hidden.shape[1])))
+        for r0 in range(0, d_hidden.shape[0], step):
+            _scaled(d_hidden[r0:r0 + step].float(), g, d_h[r0:r0 + step])
+    d_w = _scaled(d_weight_sum, g, torch.empty(d_weight_sum.shape, dtype=weight_dtype, device=g.device)) \
+        if d_weight_sum.dim() == 2 else None
+    d_b = _scaled(d_bias_sum, g, torch.empty(d_bias_sum.shape, dtype=bias_dtype, device=g.device)) \
+        if bias_dtype is not None else None
     return d_h, d_w, d_b

@@ -1,0 +1,303 @@
+"""The chunked variant of the 3-pass SFT path (``sft_path="chunked"``, hopperkern/lce/sft.py): per token chunk the
+forward forms d(logits) and runs both gradient GEMMs; the backward scales the kept gradients. Against the fp64
+reference, the 4-pass path and plain fp16 PyTorch, on both memory paths, with several chunks (a ragged last one),
+frozen weights or hidden states, the autograd uses trainers rely on, the auto rule and the custom ops."""
+
+import re
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from test_lce import _no_tma_env  # noqa: F401  (autouse: a HOPPERKERN_TMA in the environment would override modes)
+from test_lce import (
+    FWD,
+    MODES,
+    SFT,
+    SHAPE,
+    SMALL,
+    _op_args,
+    assert_close,
+    call,
+    check_fp32,
+    check_grads,
+    check_no_worse,
+    expect_path,
+    make_inputs,
+    run,
+    torch_lowp_cross_entropy,
+    upstream,
+)
+from test_lce_sft import CASES, CONFIDENT_CASES, IDS, NO_SOFTCAP, SAME_ORDER_RTOL, _leaves
+from hopperkern import lce, tma
+from hopperkern.lce import reference as ref
+from hopperkern.lce import sft
+from hopperkern.lce.ops import lce_sft_chunked_backward_op, lce_sft_chunked_forward_op
+
+CHUNKED, FOUR = dict(sft_path="chunked"), dict(sft_path="4pass")
+
+
+@pytest.fixture
+def chunks(monkeypatch):
+    """Chunks of 16 tokens (SHAPE's 37: 16, 16, 5); the list records the rows of every chunk's forward."""
+    monkeypatch.setattr(sft, "chunk_tokens", lambda *args, **kwargs: 16)
+    rows = []
+    real = sft.lce_forward
+    monkeypatch.setattr(sft, "lce_forward", lambda h, *a, **k: rows.append(h.shape[0]) or real(h, *a, **k))
+    return rows
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES, **IDS)
+def test_chunked_fp32_matches_reference_and_4pass(case, mode, chunks):
+    """fp32 loss and d_hidden, d_weight, d_bias over three token chunks match fp64 to ~1e-5 and the 4-pass path's
+    to fp32 summation order (upstream grad in [0.5, 1.5), never 1)."""
+    inp, ups = case.inputs(), case.ups()
+    (loss,), grads = check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, **CHUNKED),
+                                case.fn(ref.linear_cross_entropy), inp, ups, path=dict(sft=True))
+    assert chunks == [16, 16, 5]
+    with expect_path(mode, sft=False):
+        (loss4,), grads4 = run(case.fn(lce.linear_cross_entropy, tma=mode, **FOUR), inp, ups)
+    assert_close(loss, loss4, SAME_ORDER_RTOL, "loss")
+    check_grads(grads, grads4, SAME_ORDER_RTOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES[:2] + [NO_SOFTCAP] + CONFIDENT_CASES, **IDS)
+def test_chunked_fp16_no_worse_than_torch(case, mode, chunks):
+    """fp16 loss and grads within 2x plain PyTorch's fp16 error of fp64, confident predictions included, with an
+    upstream gradient that is no power of two (d_hidden rounded twice)."""
+    check_no_worse(mode, case.fn(lce.linear_cross_entropy, tma=mode, **CHUNKED), case.fn(ref.linear_cross_entropy),
+                   case.fn(torch_lowp_cross_entropy), case.inputs(dtype=torch.float16), case.ups(), ("loss",),
+                   out_atol=1e-5 if not case.confident else 1e-4, path=dict(sft=True))
+    assert chunks == [16, 16, 5]
+
+
+@pytest.mark.parametrize("requires", [(True, False, True), (False, True, False), (False, False, True)],
+                         ids=["frozen weight", "frozen hidden", "bias only"])
+def test_chunked_frozen_inputs(requires, monkeypatch, chunks):
+    """A frozen weight skips the d_weight GEMM and its fp32 sum (no [V, H] buffer); a frozen hidden the d_hidden
+    GEMM; the gradients that are asked for equal the reference's."""
+    inp, ups = make_inputs(SHAPE, bias=True, ignore=0.3), [upstream(())]
+    mm = []
+    real = sft._acc_mm_f32
+    monkeypatch.setattr(sft, "_acc_mm_f32", lambda acc, a, b, **k: mm.append(tuple(acc.shape)) or real(acc, a, b, **k))
+    fn = call(lce.linear_cross_entropy, tma="never", **CHUNKED)
+    (loss,), grads = run(fn, inp, ups, requires=requires)
+    (want,), want_grads = run(call(ref.linear_cross_entropy), inp, ups, dtype=torch.float64, requires=requires)
+    assert_close(loss, want, 1e-5, "loss")
+    check_grads(grads, want_grads, 1e-5)
+    assert ((SHAPE[1], SHAPE[2]) in mm) is requires[1]
+    assert chunks == [16, 16, 5]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_gradient_accumulation(mode):
+    """Two micro-batches (sum loss / kept tokens of the step) accumulate into .grad and equal one call over the
+    whole batch and the 4-pass path's grads; a second backward through a retained graph raises (the eager backward
+    scales the kept d_hidden in place) instead of giving wrong gradients."""
+    inp = make_inputs(SHAPE, bias=True, ignore=0.3)
+    n_kept = inp.kept.sum()
+    got = {}
+    for path in ("chunked", "4pass"):
+        h, w, b = _leaves(inp)
+        for rows in (slice(0, 20), slice(20, None)):
+            loss = lce.linear_cross_entropy(h[rows], w, inp.labels[rows], bias=b, reduction="sum", tma=mode,
+                                            sft_path=path, z_loss=0.01)
+            (loss / n_kept).backward()
+        got[path] = [h.grad.clone(), w.grad.clone(), b.grad.clone()]
+        for t in (h, w, b):
+            t.grad = None
+        loss = lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma=mode, sft_path=path, z_loss=0.01)
+        loss.backward(retain_graph=True)
+        check_grads([t.grad for t in (h, w, b)], got[path], SAME_ORDER_RTOL)  # the mean over the whole batch
+        if path == "chunked":
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+    check_grads(got["chunked"], got["4pass"], SAME_ORDER_RTOL)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_chunked_activation_checkpointing(use_reentrant):
+    """Under torch.utils.checkpoint the grads equal those of the same call without it, bit for bit."""
+    inp = make_inputs(SHAPE, bias=True, ignore=0.3)
+    g = upstream(())
+    want = {}
+    for ckpt in (False, True):
+        h, w, b = _leaves(inp)
+
+        def f(h, w, b):
+            return lce.linear_cross_entropy(torch.tanh(h), w, inp.labels, bias=b, tma="never", softcap=5.0,
+                                            **CHUNKED)
+
+        loss = torch.utils.checkpoint.checkpoint(f, h, w, b, use_reentrant=use_reentrant) if ckpt else f(h, w, b)
+        (loss * g).backward()
+        want[ckpt] = [h.grad, w.grad, b.grad]
+    for got, exp in zip(want[True], want[False]):
+        assert torch.equal(got, exp)
+
+
+def test_chunked_eager_calls_skip_the_custom_ops(monkeypatch):
+    """An eager differentiable call runs through LceSftChunkedFunction, not the custom ops."""
+    from hopperkern.lce import ops
+
+    inp = make_inputs(SHAPE, bias=True, ignore=0.3)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("custom op called in eager mode")
+
+    h, w, b = _leaves(inp)
+    expected = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", **FOUR), (h, w, b))
+    monkeypatch.setattr(ops, "lce_sft_chunked_backward_op", boom)
+    monkeypatch.setattr(lce.api, "lce_sft_chunked_forward_op", boom)
+    got = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", **CHUNKED), (h, w, b))
+    check_grads(list(got), list(expected), SAME_ORDER_RTOL)
+
+
+def test_chunked_double_backward_raises():
+    """A double backward raises rather than dropping the terms through the kept gradients."""
+    inp = make_inputs(SMALL)
+    h, w = _leaves(inp)[:2]
+    loss = lce.linear_cross_entropy(h, w, inp.labels, tma="never", **CHUNKED)
+    (gh,) = torch.autograd.grad(loss, (h,), create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(gh.sum(), (w,))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Edge cases
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_all_tokens_ignored(reduction, mode):
+    """All tokens ignored: loss exactly 0.0 and every gradient exactly zero."""
+    inp = make_inputs(SMALL, bias=True)
+    inp.labels.fill_(-100)
+    with expect_path(mode, sft=True):
+        (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, label_smoothing=0.1, z_loss=0.02,
+                                  tma=mode, **CHUNKED), inp, [upstream(())])
+    assert loss.item() == 0.0
+    for g, t in zip(grads, (inp.hidden, inp.weight, inp.bias)):
+        assert g.shape == t.shape and not g.any()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_zero_tokens(reduction):
+    """No tokens: a 0.0 loss and zero grads of the right shapes, without a launch."""
+    inp = make_inputs((0, SMALL[1], SMALL[2]), bias=True)
+    before = tma.last_decision(FWD)
+    (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, tma="always", **CHUNKED), inp,
+                         [upstream(())])
+    assert tma.last_decision(FWD) is before
+    assert loss.shape == () and loss.item() == 0.0
+    for g, t in zip(grads, (inp.hidden, inp.weight, inp.bias)):
+        assert g.shape == t.shape and not g.any()
+
+
+def test_chunked_noncontiguous_hidden(chunks):
+    """A transposed hidden view (pointer loads) is read through its strides in every chunk."""
+    inp, ups = make_inputs(SHAPE, bias=True, ignore=0.2), [upstream(())]
+    check_fp32("never", call(lce.linear_cross_entropy, tma="never", **CHUNKED), call(ref.linear_cross_entropy), inp,
+               ups, view=lambda t: t.t().contiguous().t(), path=dict(sft=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which path runs
+
+
+def test_auto_takes_chunked_where_the_kept_dlogits_do_not_fit(monkeypatch):
+    """"auto": the kept d(logits) where they fit; the chunked variant where they do not and its chunks hold
+    MIN_CHUNK_TOKENS tokens (or all of them), and for a frozen weight; the 4-pass path below the token threshold and
+    where chunks would be too small."""
+    inp = make_inputs(SMALL)
+    h, w = _leaves(inp)[:2]
+    monkeypatch.setattr(sft, "MIN_TOKENS_3PASS", 1)
+    ran = []
+    real = sft.lce_sft_chunked_forward
+    monkeypatch.setattr(sft, "lce_sft_chunked_forward", lambda *a, **k: ran.append(1) or real(*a, **k))
+    from hopperkern.lce import ops
+
+    monkeypatch.setattr(ops, "lce_sft_chunked_forward", sft.lce_sft_chunked_forward)
+    lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()
+    assert not ran  # the kept d(logits) fit
+    lce.linear_cross_entropy(h, w.detach(), inp.labels, tma="never").backward()
+    assert len(ran) == 1  # frozen weight
+    per_token = (sft.padded_cols(SMALL[1]) + sft._max_tiles(SMALL[1]) + SMALL[2]) * 4  # fp32 inputs
+    monkeypatch.setattr(sft, "MIN_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(sft, "EXTRA_BUDGET", 10 * per_token)  # the kept d(logits) of 19 tokens do not fit
+    with expect_path("never", sft=True):
+        lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()
+    assert len(ran) == 2
+    monkeypatch.setattr(sft, "EXTRA_BUDGET", 5 * per_token)  # chunks of 5 < MIN_CHUNK_TOKENS
+    with expect_path("never", sft=False):
+        lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()
+    assert len(ran) == 2
+
+
+@pytest.mark.parametrize("N, H, V, path", [
+    (8192, 4096, 128256, "3pass"), (32768, 4096, 128256, "chunked"), (16384, 3584, 152064, "chunked"),
+    (8192, 2304, 256000, "4pass"), (1937, 3584, 152064, "3pass"), (1024, 4096, 128256, "4pass"),
+    (131072, 8192, 128256, "chunked")])
+def test_pick_path_on_real_shapes(N, H, V, path):
+    """The documented rule on the benchmark's bf16 shapes, and its chunk sizes: whole row blocks of 128 whose
+    memory with the fp32 d_weight sum stays within the budget."""
+    assert sft.pick_path("auto", N, V, H, 2) == path
+    assert sft.pick_path("auto", N, V, H, 2, need_weight_grad=False) == ("4pass" if N < 1536 else "chunked")
+    C = sft.chunk_tokens(V, H, 2)
+    assert C % 128 == 0
+    per_token = sft.padded_cols(V) * 2 + sft._max_tiles(V) * 4 + H * 4
+    assert V * H * 4 + C * per_token <= sft.budget_bytes(V, H) or C == 128
+    assert sft.chunk_tokens(V, H, 2, need_weight_grad=False) > C
+    for forced in ("3pass", "chunked", "4pass"):
+        assert sft.pick_path(forced, N, V, H, 2) == forced
+
+
+def test_chunked_path_errors():
+    """"chunked" with reduction='none' raises ValueError naming the paths that apply."""
+    inp = make_inputs(SMALL)
+    match = "sft_path must be 'auto' or '4pass' with reduction='none', got 'chunked'"
+    with pytest.raises(ValueError, match=re.escape(match)):
+        lce.linear_cross_entropy(inp.hidden, inp.weight, inp.labels, reduction="none", **CHUNKED)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        lce.LinearCrossEntropyLoss(reduction="none", sft_path="chunked")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.compile and the custom ops
+
+
+def test_chunked_torch_compile_fullgraph():
+    """torch.compile(fullgraph=True) traces the chunked path without graph breaks; loss and grads equal eager."""
+    torch._dynamo.reset()
+
+    def step(x, w, b, labels):
+        return lce.linear_cross_entropy(torch.tanh(x) * 3.0, w, labels, bias=b, z_loss=0.02, tma="never",
+                                        **CHUNKED)
+
+    inp, ups = make_inputs(SMALL, bias=True, ignore=0.2), [upstream(())]
+    (want,), want_grads = run(step, inp, ups)
+    try:
+        with expect_path("never", sft=True):
+            (loss,), grads = run(torch.compile(step, fullgraph=True, backend="aot_eager"), inp, ups)
+    finally:
+        torch._dynamo.reset()
+    assert_close(loss, want, 1e-6, "loss")
+    check_grads(grads, want_grads, 1e-6)
+
+
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=["both", "hidden", "weight"])
+def test_chunked_custom_ops_opcheck(need):
+    """torch.library.opcheck: schema, autograd registration and fake kernels of both chunked ops agree with the
+    real ones, with and without each gradient."""
+    inp = make_inputs((5, 20, 16), bias=True)
+    opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.01, softcap=0.0, temperature=1.0, tma="never",
+                check=True, mean=True, need_hidden_grad=need[0], need_weight_grad=need[1])
+    fwd = _op_args("lce_sft_chunked_forward", hidden=inp.hidden.clone().requires_grad_(need[0]),
+                   weight=inp.weight.clone().requires_grad_(need[1]), labels=inp.labels, bias=inp.bias, **opts)
+    torch.library.opcheck(lce_sft_chunked_forward_op, fwd, test_utils=("test_schema", "test_autograd_registration",
+                                                                       "test_faketensor"))
+    _, dh, dw, db = lce_sft_chunked_forward_op(*fwd)
+    bwd = _op_args("lce_sft_chunked_backward", d_hidden=dh.detach(), d_weight_sum=dw.detach(),
+                   d_bias_sum=db.detach(), g=upstream(()), weight_dtype=torch.float32, bias_dtype=torch.float32)
+    torch.library.opcheck(lce_sft_chunked_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
