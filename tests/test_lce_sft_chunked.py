@@ -223,13 +223,15 @@ def test_auto_takes_chunked_where_the_kept_dlogits_do_not_fit(monkeypatch):
     assert not ran  # the kept d(logits) fit
     lce.linear_cross_entropy(h, w.detach(), inp.labels, tma="never").backward()
     assert len(ran) == 1  # frozen weight
-    per_token = (sft.padded_cols(SMALL[1]) + sft._max_tiles(SMALL[1]) + SMALL[2]) * 4  # fp32 inputs
+    # fp32 inputs: the d_weight sum is the fp32 gradient itself, so chunks get all of V H 4 + EXTRA_BUDGET.
+    per_token = (sft.padded_cols(SMALL[1]) + sft._max_tiles(SMALL[1]) + SMALL[2]) * 4
+    vh4 = SMALL[1] * SMALL[2] * 4
     monkeypatch.setattr(sft, "MIN_CHUNK_TOKENS", 8)
-    monkeypatch.setattr(sft, "EXTRA_BUDGET", 10 * per_token)  # the kept d(logits) of 19 tokens do not fit
+    monkeypatch.setattr(sft, "EXTRA_BUDGET", 10 * per_token - vh4)  # the kept d(logits) of 19 tokens do not fit
     with expect_path("never", sft=True):
         lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()
     assert len(ran) == 2
-    monkeypatch.setattr(sft, "EXTRA_BUDGET", 5 * per_token)  # chunks of 5 < MIN_CHUNK_TOKENS
+    monkeypatch.setattr(sft, "EXTRA_BUDGET", 5 * per_token - vh4)  # chunks of 5 < MIN_CHUNK_TOKENS
     with expect_path("never", sft=False):
         lce.linear_cross_entropy(h, w, inp.labels, tma="never").backward()
     assert len(ran) == 2
@@ -237,7 +239,7 @@ def test_auto_takes_chunked_where_the_kept_dlogits_do_not_fit(monkeypatch):
 
 @pytest.mark.parametrize("N, H, V, path", [
     (8192, 4096, 128256, "3pass"), (32768, 4096, 128256, "chunked"), (16384, 3584, 152064, "chunked"),
-    (8192, 2304, 256000, "4pass"), (1937, 3584, 152064, "3pass"), (1024, 4096, 128256, "4pass"),
+    (8192, 2304, 256000, "chunked"), (1937, 3584, 152064, "3pass"), (1024, 4096, 128256, "4pass"),
     (131072, 8192, 128256, "chunked")])
 def test_pick_path_on_real_shapes(N, H, V, path):
     """The documented rule on the benchmark's bf16 shapes, and its chunk sizes: whole row blocks of 128 whose
@@ -247,7 +249,7 @@ def test_pick_path_on_real_shapes(N, H, V, path):
     C = sft.chunk_tokens(V, H, 2)
     assert C % 128 == 0
     per_token = sft.padded_cols(V) * 2 + sft._max_tiles(V) * 4 + H * 4
-    assert V * H * 4 + C * per_token <= sft.budget_bytes(V, H) or C == 128
+    assert V * H * 2 + C * per_token <= sft.budget_bytes(V, H) or C == 128  # the sum's lower halves + a chunk
     assert sft.chunk_tokens(V, H, 2, need_weight_grad=False) > C
     for forced in ("3pass", "chunked", "4pass"):
         assert sft.pick_path(forced, N, V, H, 2) == forced
@@ -297,7 +299,36 @@ def test_chunked_custom_ops_opcheck(need):
                    weight=inp.weight.clone().requires_grad_(need[1]), labels=inp.labels, bias=inp.bias, **opts)
     torch.library.opcheck(lce_sft_chunked_forward_op, fwd, test_utils=("test_schema", "test_autograd_registration",
                                                                        "test_faketensor"))
-    _, dh, dw, db = lce_sft_chunked_forward_op(*fwd)
-    bwd = _op_args("lce_sft_chunked_backward", d_hidden=dh.detach(), d_weight_sum=dw.detach(),
-                   d_bias_sum=db.detach(), g=upstream(()), weight_dtype=torch.float32, bias_dtype=torch.float32)
+    _, dh, dw, lo, db = lce_sft_chunked_forward_op(*fwd)
+    bwd = _op_args("lce_sft_chunked_backward", d_hidden=dh.detach(), d_weight=dw.detach(), d_weight_lo=lo,
+                   d_bias_sum=db.detach(), g=upstream(()), bias_dtype=torch.float32)
     torch.library.opcheck(lce_sft_chunked_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_split_fp32_sum_is_exact(mode):
+    """The 16-bit inputs' d_weight sum: lce_dweight_kernel's SPLIT launches keep each fp32 number as two int16
+    halves; three chunks' products summed that way equal the fp32 sum of the three fp32 products (to fp32 summation
+    order within each product), and the finalize kernel turns halves back into those fp32 numbers bit for bit
+    (g = 1, fp32 out) or applies g with one rounding to fp16."""
+    gen = torch.Generator().manual_seed(3)
+    N, V, H = 37, 64, 48  # 16-byte aligned rows: TMA loads under "always"
+    dl = torch.randn((N, V), generator=gen).half()
+    h = torch.randn((N, H), generator=gen).half()
+    hi = torch.empty((V, H), dtype=torch.float16)
+    lo = torch.empty((V, H), dtype=torch.int16)
+    one = torch.ones(1)
+    want = torch.zeros((V, H))
+    for i, rows in enumerate((slice(0, 16), slice(16, 32), slice(32, 37))):
+        sft._dweight(dl[rows], h[rows], one, hi, mode, lo=lo, accumulate=i > 0)
+        want += dl[rows].float().t() @ h[rows].float()
+    assert "dweight" not in tma.last_decision("lce.sft_dweight").use  # a split epilogue uses pointers
+    x = sft._finalize_split(hi, lo, torch.ones(()), torch.empty((V, H)))
+    assert_close(x, want, 1e-6, "split sum")
+    bits = x.view(torch.int32)
+    assert torch.equal((bits >> 16).to(torch.int16), hi.view(torch.int16))
+    assert torch.equal(bits.to(torch.int16), lo)
+    g = torch.tensor(0.7)
+    assert torch.equal(sft._finalize_split(hi, lo, g, torch.empty((V, H), dtype=torch.float16)), (x * g).half())
+    sft._finalize_split(hi, lo, g, hi)  # in place
+    assert torch.equal(hi, (x * g).half())

@@ -126,7 +126,7 @@ LCE_ERRORS = [
     (lce.LinearCrossEntropyLoss, dict(tma="fast"), ValueError, r"tma must be one of \('auto', 'always', 'never'\)"),
     (lce.LinearCrossEntropyLoss, dict(check_labels=1), TypeError, "check_labels must be a bool or 'auto', got 1"),
     (lce.LinearCrossEntropyLoss, dict(sft_path="2pass"), ValueError,
-     r"sft_path must be one of \('auto', '3pass', '4pass'\), got '2pass'"),
+     r"sft_path must be one of \('auto', '3pass', 'chunked', '4pass'\), got '2pass'"),
     (lce.LinearCrossEntropyLoss, dict(sft_path="3pass", reduction="none"), ValueError,
      r"sft_path must be 'auto' or '4pass' with reduction='none', got '3pass'"),
     (lce.LinearLogprobsEntropy, dict(temperature="hot"), TypeError, "temperature must be a number, got str"),

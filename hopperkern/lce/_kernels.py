@@ -537,19 +537,39 @@ def lce_exp_dlogits_kernel(
 
 
 @triton.jit
+def _join_f32(hi, lo):
+    """The fp32 numbers whose upper and lower 16 bits are the int16 tiles ``hi`` and ``lo``."""
+    return ((hi.to(tl.int32) << 16) | (lo.to(tl.int32) & 0xFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_f32(x):
+    """(upper, lower) 16 bits of fp32 ``x`` as int16 tiles: an exact fp32 value in two 16-bit buffers."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits >> 16).to(tl.int16), bits.to(tl.int16)
+
+
+@triton.jit
 def lce_dweight_kernel(
     d_ptr,  # [N, ld_d] d(logits), in the inputs' dtype
     h_ptr,  # [N, H] hidden
     g_ptr,  # [1] fp32 upstream gradient of the loss
-    out_ptr,  # [V, H] out: d_weight, in the inputs' dtype
+    out_ptr,  # [V, H] out: d_weight in the inputs' dtype; with SPLIT, int16: the upper halves of an fp32 sum
+    lo_ptr,  # [V, H] int16, with SPLIT: the lower halves (strides of out)
     N, V, H, stride_dn, stride_hn, stride_hk, stride_on,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
     D_TMA: tl.constexpr, H_TMA: tl.constexpr, O_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr = 0,
 ):
     """d_weight = round(g * (d^T @ h)): one GEMM over all N tokens (K = N) with fp32 accumulation, the upstream
     gradient applied to the fp32 sum and a single rounding to the output dtype (the 3-pass SFT backward). Grid
     (cdiv(V, BLOCK_V) * cdiv(H, BLOCK_H),), GROUP_V vocab blocks per sweep of the hidden blocks. Both operands
     are read K-row by K-row ([BLOCK_K, BLOCK_V] of d, [BLOCK_K, BLOCK_H] of h); the d tile is transposed on chip.
+
+    SPLIT (the chunked 3-pass variant, one launch per token chunk; g not applied): 1 stores the fp32 product
+    d^T @ h, 2 adds it to the fp32 sum held so far, each fp32 number kept exactly as its upper 16 bits in
+    ``out`` and its lower 16 bits in ``lo`` (an fp32 sum in the memory of the 16-bit gradient plus as much
+    again; :func:`lce_split_finalize_kernel` applies g and rounds).
     """
     vb, hb = grouped_tile(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP_V)
     d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_K, BLOCK_V, D_TMA)
@@ -560,7 +580,30 @@ def lce_dweight_kernel(
         a = load_2d(d_src, k * BLOCK_K, vb * BLOCK_V, N, V, stride_dn, 1, BLOCK_K, BLOCK_V, D_TMA)
         b = load_2d(h_src, k * BLOCK_K, hb * BLOCK_H, N, H, stride_hn, stride_hk, BLOCK_K, BLOCK_H, H_TMA)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-    out = acc * tl.load(g_ptr)
     o_dst = tile_source_2d(out_ptr, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA)
-    store_2d(o_dst, out.to(out_ptr.dtype.element_ty), vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V,
-             BLOCK_H, O_TMA)
+    if SPLIT == 0:
+        out = acc * tl.load(g_ptr)
+        store_2d(o_dst, out.to(out_ptr.dtype.element_ty), vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V,
+                 BLOCK_H, O_TMA)
+    else:
+        tl.static_assert(out_ptr.dtype.element_ty == tl.int16, "SPLIT stores int16 halves")
+        tl.static_assert(lo_ptr.dtype.element_ty == tl.int16, "SPLIT stores int16 halves")
+        l_dst = tile_source_2d(lo_ptr, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA)
+        if SPLIT == 2:
+            hi = load_2d(o_dst, vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+            lo = load_2d(l_dst, vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+            acc += _join_f32(hi, lo)
+        hi, lo = _split_f32(acc)
+        store_2d(o_dst, hi, vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+        store_2d(l_dst, lo, vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+
+
+@triton.jit
+def lce_split_finalize_kernel(hi_ptr, lo_ptr, g_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = round(g * x) for the n fp32 numbers x held as int16 upper (``hi``) and lower (``lo``) halves (see
+    lce_dweight_kernel's SPLIT), flat and contiguous; ``out`` may be ``hi``'s own memory (each element is read
+    before it is written, by the same program). Grid (cdiv(n, BLOCK),)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = _join_f32(tl.load(hi_ptr + offs, mask=mask, other=0), tl.load(lo_ptr + offs, mask=mask, other=0))
+    tl.store(out_ptr + offs, (x * tl.load(g_ptr)).to(out_ptr.dtype.element_ty), mask=mask)

@@ -271,8 +271,8 @@ class LceSftFunction(torch.autograd.Function):
 def lce_sft_chunked_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor],
                                  ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
                                  temperature: float, tma: str, check: bool, mean: bool, need_hidden_grad: bool,
-                                 need_weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, d_hidden, d_weight_sum, d_bias_sum) for an upstream gradient of 1; see
+                                 need_weight_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d_hidden, d_weight, d_weight_lo, d_bias_sum) for an upstream gradient of 1; see
     :func:`sft.lce_sft_chunked_forward` (a gradient not asked for is an empty tensor)."""
     with launch_context(hidden, "hopperkern.lce"):
         if check:
@@ -290,27 +290,28 @@ lce_sft_chunked_forward_op = torch.library.custom_op("hopperkern::lce_sft_chunke
 def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, check, mean,
       need_hidden_grad, need_weight_grad):
     f32 = torch.float32
-    none = hidden.new_empty((0,), dtype=f32)
+    split = need_weight_grad and hidden.dtype != f32
     return (hidden.new_empty((), dtype=f32),
-            hidden.new_empty((hidden.shape[0], hidden.shape[1])) if need_hidden_grad else none,
-            hidden.new_empty(tuple(weight.shape), dtype=f32) if need_weight_grad else none,
-            hidden.new_empty((weight.shape[0],), dtype=f32) if bias is not None else none)
+            hidden.new_empty((hidden.shape[0], hidden.shape[1])) if need_hidden_grad else hidden.new_empty((0,), dtype=f32),
+            hidden.new_empty(tuple(weight.shape)) if need_weight_grad else hidden.new_empty((0,), dtype=f32),
+            hidden.new_empty(tuple(weight.shape), dtype=torch.int16) if split else hidden.new_empty((0,), dtype=f32),
+            hidden.new_empty((weight.shape[0],), dtype=f32) if bias is not None else hidden.new_empty((0,), dtype=f32))
 
 
 def _sft_chunked_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     ctx.save_for_backward(*output[1:])
-    weight, bias = inputs[1], inputs[3]
-    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+    bias = inputs[3]
+    ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.set_materialize_grads(False)
 
 
-def lce_sft_chunked_backward_impl(d_hidden: Tensor, d_weight_sum: Tensor, d_bias_sum: Tensor, g: Tensor,
-                                  weight_dtype: torch.dtype, bias_dtype: Optional[torch.dtype]
-                                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """(d_hidden, d_weight, d_bias): the chunked forward's gradients times ``g``; a gradient not computed comes back
-    as an empty tensor. See :func:`sft.lce_sft_chunked_backward`."""
-    grads = lce_sft_chunked_backward(d_hidden, d_weight_sum, d_bias_sum, g, weight_dtype, bias_dtype)
+def lce_sft_chunked_backward_impl(d_hidden: Tensor, d_weight: Tensor, d_weight_lo: Tensor, d_bias_sum: Tensor,
+                                  g: Tensor, bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_hidden, d_weight, d_bias): the chunked forward's sums times ``g``, in new buffers; a gradient not computed
+    comes back as an empty tensor. See :func:`sft.lce_sft_chunked_backward`."""
+    with launch_context(d_hidden, "hopperkern.lce backward"):
+        grads = lce_sft_chunked_backward(d_hidden, d_weight, d_weight_lo, d_bias_sum, g, bias_dtype)
     return tuple(x if x is not None else d_hidden.new_empty((0,)) for x in grads)
 
 
@@ -319,10 +320,9 @@ lce_sft_chunked_backward_op = torch.library.custom_op("hopperkern::lce_sft_chunk
 
 
 @lce_sft_chunked_backward_op.register_fake
-def _(d_hidden, d_weight_sum, d_bias_sum, g, weight_dtype, bias_dtype):
+def _(d_hidden, d_weight, d_weight_lo, d_bias_sum, g, bias_dtype):
     return (torch.empty_like(d_hidden, memory_format=torch.contiguous_format),
-            d_weight_sum.new_empty(tuple(d_weight_sum.shape), dtype=weight_dtype) if d_weight_sum.dim() == 2
-            else d_hidden.new_empty((0,)),
+            torch.empty_like(d_weight, memory_format=torch.contiguous_format),
             d_bias_sum.new_empty(tuple(d_bias_sum.shape), dtype=bias_dtype) if bias_dtype is not None
             else d_hidden.new_empty((0,)))
 
@@ -331,7 +331,7 @@ def _sft_chunked_grads(ctx, backward, g_loss):
     """The gradients of the chunked op's inputs (None where not needed) through ``backward`` (op or function)."""
     if g_loss is None:
         return (None,) * 14
-    dh, dw, db = backward(*ctx.saved_tensors, g_loss, *ctx.dtypes)
+    dh, dw, db = backward(*ctx.saved_tensors, g_loss, ctx.bias_dtype)
     keep = lambda t, i: t if ctx.needs_input_grad[i] else None  # noqa: E731
     return (keep(dh, 0), keep(dw, 1), None, keep(db, 3)) + (None,) * 10
 
@@ -365,13 +365,12 @@ class LceSftChunkedFunction(torch.autograd.Function):
         return _sft_chunked_grads(ctx, _sft_chunked_backward_eager, g_loss)
 
 
-def _sft_chunked_backward_eager(d_hidden, d_weight_sum, d_bias_sum, g, weight_dtype, bias_dtype):
-    """The eager backward: d_hidden scaled in place and returned as the gradient (no second [N, H] buffer), with a
-    new version, so a second backward through a retained graph raises rather than scaling it twice."""
-    grads = lce_sft_chunked_backward(d_hidden, d_weight_sum, d_bias_sum, g, weight_dtype, bias_dtype,
-                                     in_place=True)
-    if grads[0] is not None:
-        torch.autograd.graph.increment_version(d_hidden)
+def _sft_chunked_backward_eager(d_hidden, d_weight, d_weight_lo, d_bias_sum, g, bias_dtype):
+    """The eager backward: d_hidden and d_weight become the gradients in their own memory (no second buffers), with
+    new versions, so a second backward through a retained graph raises rather than scaling them twice."""
+    with launch_context(d_hidden, "hopperkern.lce backward"):
+        grads = lce_sft_chunked_backward(d_hidden, d_weight, d_weight_lo, d_bias_sum, g, bias_dtype, in_place=True)
+    torch.autograd.graph.increment_version(tuple(t for t, x in zip((d_hidden, d_weight), grads) if x is not None))
     return grads
 
 

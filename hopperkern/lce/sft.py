@@ -29,14 +29,18 @@ fp32 bytes.
 
 Chunked variant (:func:`lce_sft_chunked_forward`, ``sft_path="chunked"``) where the kept d(logits) would not fit:
 the forward takes the tokens in chunks of C (:func:`chunk_tokens`); for each chunk it forms d(logits) as above into
-one reused [C, V] buffer and runs both gradient GEMMs on it at once, cuBLAS with fp32 output: the chunk's rows of
-d_hidden (its K dim, the vocabulary, whole in one GEMM; rounded to the inputs' dtype) and a d_weight sum over the
-chunks in an fp32 [V, H] buffer (and d_bias's in fp32 [V]). The backward only scales them by g, in fp32:
+one reused [C, V] buffer and runs both gradient GEMMs on it at once: the chunk's rows of d_hidden (cuBLAS with fp32
+output; its K dim, the vocabulary, whole in one GEMM; rounded to the inputs' dtype) and the d_weight sum over the
+chunks in fp32 (and d_bias's in fp32 [V]). For 16-bit inputs ``lce_dweight_kernel`` adds each chunk's product to that
+sum in its epilogue and keeps every fp32 number exactly, as its upper 16 bits in the memory of the d_weight gradient
+and its lower 16 bits in an int16 [V, H] buffer: an fp32 sum for V x H x 2 bytes beyond the gradient; fp32 inputs
+sum into the fp32 gradient itself (cuBLAS). The backward only scales them by g, in fp32:
 ``d_weight = round(g * sum)`` (one rounding of the fp32 sum), ``d_hidden = round(g * d_hidden)``, a second
 rounding unless g is a power of two (1 for ``loss.backward()``, 1/2^k gradient accumulation, loss scaling), which
-the GPU tests bound within 2x fp32-torch's error. An eager backward scales d_hidden in place, so the kept d_hidden
-is the gradient's own memory and serves one backward (a second one through a retained graph raises RuntimeError). A weight that needs no gradient (a frozen head) skips the d_weight
-GEMM and its fp32 sum: two passes over the vocabulary. Extra memory: the fp32 sums plus one chunk's d(logits) and
+the GPU tests bound within 2x fp32-torch's error. An eager backward scales d_hidden and d_weight in place, so what
+the forward keeps is the gradients' own memory and serves one backward (a second one through a retained graph
+raises RuntimeError). A weight that needs no gradient (a frozen head) skips the d_weight
+GEMM and its sum: two passes over the vocabulary. Extra memory: the sums' lower halves plus one chunk's d(logits) and
 scratch, at most :func:`budget_bytes`.
 
 Memory rule (``sft_path="auto"``): the 3-pass path runs from ``MIN_TOKENS_3PASS`` tokens (``MIN_TOKENS_FP32_LOGITS``
@@ -58,7 +62,7 @@ from .. import tma as _tma
 from .._host import cdiv
 from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
-from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel
+from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel, lce_split_finalize_kernel
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
@@ -170,7 +174,9 @@ def use_3pass(sft_path: str, N: int, V: int, H: int, elem: int, *, logits: bool 
 def _chunk_fit(V: int, H: int, elem: int, *, logits: bool, need_hidden_grad: bool, need_weight_grad: bool,
                bias: bool, budget: int | None) -> int:
     """Tokens whose chunk memory fits what ``budget`` leaves beside the fp32 sums (0 or more, not rounded)."""
-    left = (budget_bytes(V, H) if budget is None else budget) - (V * H * 4 if need_weight_grad else 0) \
+    # The d_weight sum: fp32 in the gradient's own memory (fp32 inputs), or its lower halves beside the upper ones
+    # there (16-bit inputs: V x H x 2 bytes more).
+    left = (budget_bytes(V, H) if budget is None else budget) - (V * H * 2 if need_weight_grad and elem == 2 else 0) \
         - (V * 4 if bias else 0)
     ld = padded_cols(V)
     per_token = ld * elem + (ld * 4 if logits else _max_tiles(V) * 4) + (H * 4 if need_hidden_grad else 0)
@@ -181,7 +187,8 @@ def chunk_tokens(V: int, H: int, elem: int, *, logits: bool = False, need_hidden
                  need_weight_grad: bool = True, bias: bool = False, budget: int | None = None) -> int:
     """Tokens per chunk of the chunked variant: whole row blocks of 128 whose d(logits) (``elem`` bytes each), forward
     scratch (the per-tile maxima, or with ``logits`` fp32 logits) and fp32 d_hidden rows fit what ``budget`` (default
-    :func:`budget_bytes`) leaves beside the fp32 d_weight sum (and d_bias sum); at least one row block."""
+    :func:`budget_bytes`) leaves beside the fp32 d_weight sum's memory beyond the gradient's (V x H x 2 bytes for
+    16-bit inputs, none for fp32) and the d_bias sum; at least one row block."""
     fit = _chunk_fit(V, H, elem, logits=logits, need_hidden_grad=need_hidden_grad,
                      need_weight_grad=need_weight_grad, bias=bias, budget=budget)
     return max(128, fit // 128 * 128)
@@ -324,21 +331,43 @@ _DW_TILES_INTERPRETED = (16, 32, 16, 4, 4, 1)
 _DW_OP = "lce.sft_dweight"  # its launch's name in tma.last_decision
 
 
-def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: torch.Tensor, tma: str) -> None:
-    """d_w = round(g * (dl^T @ hidden2d)) for 16-bit inputs, one launch of ``lce_dweight_kernel``."""
+def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: torch.Tensor, tma: str, *,
+             lo: torch.Tensor | None = None, accumulate: bool = False) -> None:
+    """d_w = round(g * (dl^T @ hidden2d)) for 16-bit inputs, one launch of ``lce_dweight_kernel``. With ``lo``
+    (int16, d_w's shape; the chunked variant): the fp32 product, or with ``accumulate`` its sum with the fp32
+    numbers held so far, kept exactly as upper halves in d_w's memory and lower halves in ``lo`` (g not applied;
+    :func:`_finalize_split` does that). The epilogue of a split launch uses pointer loads and stores."""
     N, H = hidden2d.shape
     V = d_w.shape[0]
     if _tma.interpreter_active():
         bv, bh, bk, group, warps, stages = _DW_TILES_INTERPRETED
     else:
         bv, bh, bk, group, warps, stages = DW_TILES if H % DW_TILES[1] == 0 else DW_TILES_NARROW
-    d = _tma.decide(tma, {"dlogits": (dl, (bk, bv)), "hidden": (hidden2d, (bk, bh)), "dweight": (d_w, (bv, bh))},
-                    op=_DW_OP)
+    operands = {"dlogits": (dl, (bk, bv)), "hidden": (hidden2d, (bk, bh))}
+    if lo is None:
+        operands["dweight"] = (d_w, (bv, bh))
+    d = _tma.decide(tma, operands, op=_DW_OP)
+    out = d_w if lo is None else d_w.view(torch.int16)
     lce_dweight_kernel[(cdiv(V, bv) * cdiv(H, bh),)](
-        dl, hidden2d, g, d_w, N, V, H, dl.stride(0), hidden2d.stride(0), hidden2d.stride(1), d_w.stride(0),
+        dl, hidden2d, g, out, out if lo is None else lo, N, V, H, dl.stride(0), hidden2d.stride(0),
+        hidden2d.stride(1), d_w.stride(0),
         BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, GROUP_V=group, D_TMA=d["dlogits"], H_TMA=d["hidden"],
-        O_TMA=d["dweight"], DOT_PRECISION=dot_precision(hidden2d.dtype), num_warps=warps, num_stages=stages,
+        O_TMA=d.use.get("dweight", False), DOT_PRECISION=dot_precision(hidden2d.dtype),
+        SPLIT=0 if lo is None else 1 + accumulate, num_warps=warps, num_stages=stages,
     )
+
+
+_FINALIZE_BLOCK = 1024
+
+
+def _finalize_split(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = round(g * x) for the fp32 numbers x kept as upper halves in ``hi``'s memory (a contiguous 16-bit
+    tensor) and lower halves in ``lo`` (int16); ``out`` may be ``hi`` itself. One launch."""
+    n = hi.numel()
+    if n:
+        lce_split_finalize_kernel[(cdiv(n, _FINALIZE_BLOCK),)](hi.view(torch.int16), lo, g.reshape(1), out, n,
+                                                               BLOCK=_FINALIZE_BLOCK)
+    return out
 
 
 def _scaled(acc: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -392,22 +421,27 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
                             opts: LceOptions, *, mean: bool, need_hidden_grad: bool = True,
                             need_weight_grad: bool = True, chunk: int | None = None,
                             config: KernelConfig | None = None):
-    """``(loss, d_hidden, d_weight_sum, d_bias_sum)`` of the chunked variant for an upstream gradient of 1: the fp32
-    sum (or mean over kept tokens) of the per-token loss; d_hidden [N, H] in the inputs' dtype; the fp32 [V, H]
-    d_weight sum and fp32 [V] d_bias sum over every token. One not asked for (``need_*``; d_bias without bias) is an
-    empty tensor. ``chunk``: tokens per chunk (default :func:`chunk_tokens`). Inputs must be validated already.
-    :func:`lce_sft_chunked_backward` scales them by the upstream gradient."""
+    """``(loss, d_hidden, d_weight, d_weight_lo, d_bias_sum)`` of the chunked variant for an upstream gradient of 1:
+    the fp32 sum (or mean over kept tokens) of the per-token loss; d_hidden [N, H] in the inputs' dtype; the fp32
+    d_weight sum over every token, for fp32 inputs as the [V, H] fp32 tensor d_weight, for 16-bit ones held exactly
+    as the upper 16 bits of each number in d_weight's memory ([V, H], the inputs' dtype, not a gradient yet) and the
+    lower 16 bits in the int16 [V, H] d_weight_lo; the fp32 [V] d_bias sum. One not asked for (``need_*``; d_bias
+    without bias; d_weight_lo for fp32) is an empty tensor. ``chunk``: tokens per chunk (default
+    :func:`chunk_tokens`). Inputs must be validated already. :func:`lce_sft_chunked_backward` applies the upstream
+    gradient."""
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt, f32 = hidden2d.device, hidden2d.dtype, torch.float32
-    none = torch.empty(0, dtype=f32, device=dev)
-    d_h = torch.empty((N, H), dtype=dt, device=dev) if need_hidden_grad else none
-    d_w = torch.empty((V, H), dtype=f32, device=dev) if need_weight_grad else none
-    d_b = torch.zeros(V, dtype=f32, device=dev) if bias is not None else none
+    split = need_weight_grad and dt != f32
+    d_h = torch.empty((N, H), dtype=dt, device=dev) if need_hidden_grad else _none(dev)
+    d_w = torch.empty((V, H), dtype=dt, device=dev) if need_weight_grad else _none(dev)
+    lo = torch.empty((V, H), dtype=torch.int16, device=dev) if split else _none(dev)
+    d_b = torch.zeros(V, dtype=f32, device=dev) if bias is not None else _none(dev)
     if N == 0:
-        d_w.zero_()
-        return torch.zeros((), dtype=f32, device=dev), d_h, d_w, d_b
+        d_w.zero_()  # upper and lower halves of +0.0
+        lo.zero_()
+        return torch.zeros((), dtype=f32, device=dev), d_h, d_w, lo, d_b
     count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
     scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
     logits = fp32_logits(dt, opts.softcap, opts.label_smoothing)
@@ -437,32 +471,44 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
         elif need_hidden_grad:
             _acc_mm_f32(acc_h[:rows], d, weight, beta=0)
             d_h[c0:c0 + rows].copy_(acc_h[:rows])
-        if need_weight_grad:
+        if split:
+            _dweight(d, h_c, scale, d_w, opts.tma, lo=lo, accumulate=c0 > 0)
+        elif need_weight_grad:
             _acc_mm_f32(d_w, d.t(), h_c, beta=int(c0 > 0))
         if bias is not None:
             d_b += d.sum(0, dtype=f32)
     total = torch.stack(losses).sum()
-    return (total / count if mean else total), d_h, d_w, d_b
+    return (total / count if mean else total), d_h, d_w, lo, d_b
 
 
-def lce_sft_chunked_backward(d_hidden: torch.Tensor, d_weight_sum: torch.Tensor, d_bias_sum: torch.Tensor,
-                             g: torch.Tensor, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None, *,
+def _none(dev) -> torch.Tensor:
+    """The placeholder of a gradient not computed: an empty fp32 tensor (custom-op outputs are tensors)."""
+    return torch.empty(0, dtype=torch.float32, device=dev)
+
+
+def lce_sft_chunked_backward(d_hidden: torch.Tensor, d_weight: torch.Tensor, d_weight_lo: torch.Tensor,
+                             d_bias_sum: torch.Tensor, g: torch.Tensor, bias_dtype: torch.dtype | None, *,
                              in_place: bool = False):
-    """``(d_hidden, d_weight, d_bias)`` of the chunked variant for the 0-dim upstream gradient ``g`` of its loss:
-    :func:`lce_sft_chunked_forward`'s outputs times g in fp32, rounded once to their dtypes (d_hidden, already
-    rounded in the forward, is rounded again unless g is a power of two). ``in_place``: d_hidden is scaled in its
-    own memory and returned (no second [N, H] buffer; what was kept then serves one backward). A gradient the forward
-    did not compute (an empty input; d_bias without ``bias_dtype``) gives None."""
+    """``(d_hidden, d_weight, d_bias)`` of the chunked variant for the 0-dim upstream gradient ``g`` of its loss,
+    from :func:`lce_sft_chunked_forward`'s outputs: each fp32 sum times g in fp32, rounded once to its gradient's
+    dtype (d_hidden, rounded in the forward already, is rounded again unless g is a power of two). ``in_place``:
+    d_hidden and d_weight become the gradients in their own memory (no second buffers; what was kept then serves
+    one backward). A gradient the forward did not compute (an empty input; d_bias without ``bias_dtype``) gives
+    None."""
     g = g.to(device=d_hidden.device, dtype=torch.float32)
-    d_h = None
+    d_h = d_w = d_b = None
     if d_hidden.dim() == 2:
         d_h = d_hidden if in_place else torch.empty_like(d_hidden, memory_format=torch.contiguous_format)
         # The product in fp32 (a 16-bit operand would round g first), in row slices of <= DW_SLICE_BUDGET bytes.
         step = max(1, DW_SLICE_BUDGET // (4 * max(1, d_hidden.shape[1])))
         for r0 in range(0, d_hidden.shape[0], step):
             _scaled(d_hidden[r0:r0 + step].float(), g, d_h[r0:r0 + step])
-    d_w = _scaled(d_weight_sum, g, torch.empty(d_weight_sum.shape, dtype=weight_dtype, device=g.device)) \
-        if d_weight_sum.dim() == 2 else None
-    d_b = _scaled(d_bias_sum, g, torch.empty(d_bias_sum.shape, dtype=bias_dtype, device=g.device)) \
-        if bias_dtype is not None else None
+    if d_weight.dim() == 2:
+        d_w = d_weight if in_place else torch.empty_like(d_weight)
+        if d_weight_lo.dim() == 2:
+            _finalize_split(d_weight, d_weight_lo, g, d_w)
+        else:
+            _scaled(d_weight, g, d_w)
+    if bias_dtype is not None:
+        d_b = _scaled(d_bias_sum, g, torch.empty(d_bias_sum.shape, dtype=bias_dtype, device=g.device))
     return d_h, d_w, d_b
