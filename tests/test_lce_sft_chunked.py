@@ -255,6 +255,15 @@ def test_pick_path_on_real_shapes(N, H, V, path):
         assert sft.pick_path(forced, N, V, H, 2) == forced
 
 
+@pytest.mark.parametrize("N, most, want", [(16384, 4864, 4096), (8192, 3072, 2816), (32768, 5632, 5504),
+                                           (100, 5632, 128), (5632, 5632, 5632), (5633, 5632, 2944)])
+def test_balanced_chunks(N, most, want):
+    """As few chunks as ``most`` allows, of like sizes in multiples of 128, never above ``most``."""
+    C = sft.balanced_chunk(N, most)
+    assert C == want and C <= max(most, 128) and C % 128 == 0
+    assert -(-N // C) == -(-N // most) or N <= 128
+
+
 def test_chunked_path_errors():
     """"chunked" with reduction='none' raises ValueError naming the paths that apply."""
     inp = make_inputs(SMALL)

@@ -28,7 +28,8 @@ with fp32 accumulation, g applied to the fp32 sum and one rounding (no second ro
 fp32 bytes.
 
 Chunked variant (:func:`lce_sft_chunked_forward`, ``sft_path="chunked"``) where the kept d(logits) would not fit:
-the forward takes the tokens in chunks of C (:func:`chunk_tokens`); for each chunk it forms d(logits) as above into
+the forward takes the tokens in chunks of C tokens at most (:func:`chunk_tokens`, evened out by
+:func:`balanced_chunk`); for each chunk it forms d(logits) as above into
 one reused [C, V] buffer and runs both gradient GEMMs on it at once: the chunk's rows of d_hidden (cuBLAS with fp32
 output; its K dim, the vocabulary, whole in one GEMM; rounded to the inputs' dtype) and the d_weight sum over the
 chunks in fp32 (and d_bias's in fp32 [V]). For 16-bit inputs ``lce_dweight_kernel`` adds each chunk's product to that
@@ -66,7 +67,7 @@ from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_
 from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
-           "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
+           "balanced_chunk", "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
            "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "narrow_tiles", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
 
 SFT_PATHS = ("auto", "3pass", "chunked", "4pass")
@@ -192,6 +193,13 @@ def chunk_tokens(V: int, H: int, elem: int, *, logits: bool = False, need_hidden
     fit = _chunk_fit(V, H, elem, logits=logits, need_hidden_grad=need_hidden_grad,
                      need_weight_grad=need_weight_grad, bias=bias, budget=budget)
     return max(128, fit // 128 * 128)
+
+
+def balanced_chunk(N: int, most: int, multiple: int = 128) -> int:
+    """Tokens per chunk when N tokens go in as few chunks of at most ``most`` as possible, sized alike (multiples of
+    ``multiple``, never above ``most``): no short last chunk, whose forward would fill the GPU worse."""
+    count = cdiv(N, most)
+    return min(most, cdiv(cdiv(N, count), multiple) * multiple)
 
 
 def pick_path(sft_path: str, N: int, V: int, H: int, elem: int, *, logits: bool = False,
@@ -445,8 +453,10 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
     count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
     scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
     logits = fp32_logits(dt, opts.softcap, opts.label_smoothing)
-    C = min(N, chunk or chunk_tokens(V, H, hidden2d.element_size(), logits=logits, need_hidden_grad=need_hidden_grad,
-                                     need_weight_grad=need_weight_grad, bias=bias is not None))
+    C = chunk or balanced_chunk(N, chunk_tokens(V, H, hidden2d.element_size(), logits=logits,
+                                                need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad,
+                                                bias=bias is not None))
+    C = min(N, C)
     ld = padded_cols(V)
     dl = torch.empty((C, ld), dtype=dt, device=dev)
     if logits:
