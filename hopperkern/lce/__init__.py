@@ -4,7 +4,7 @@ forward and backward, never holding the N x V logits.
 Public: :func:`linear_cross_entropy`, :func:`linear_logprobs_entropy` (both vocab-parallel with ``process_group=``,
 see :mod:`.distributed`), and their ``nn.Module`` forms :class:`LinearCrossEntropyLoss`, :class:`LinearLogprobsEntropy`
 (``modules``). Lower level: :mod:`.launch` (``lce_forward``, ``lce_backward``), :mod:`.sft` (the 3-pass path of sum and
-mean losses, ``sft_path=``), :mod:`.rl` (the 3-pass path of log-probs and entropies, ``grad_path=``),
+mean losses and its chunked variant, ``sft_path=``), :mod:`.rl` (the 3-pass path of log-probs and entropies, ``grad_path=``),
 :mod:`.reference` (plain PyTorch).
 """
 
