@@ -99,10 +99,19 @@ def main() -> int:
     for bv, bh, bk, _, w, st in [sft.DW_TILES, sft.DW_TILES_NARROW, (128, 128, 64, 8, 8, 4)]:
         for tma in (False, True):
             comp(f"lce_dweight {bv}x{bh}x{bk} w{w} s{st} tma={int(tma)}", K.lce_dweight_kernel,
-                 dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="bf16", N=8192, V=V, H=H, stride_dn=V,
-                      stride_hn=H, stride_hk=1, stride_on=H),
+                 dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="bf16", lo_ptr="bf16", N=8192, V=V, H=H,
+                      stride_dn=V, stride_hn=H, stride_hk=1, stride_on=H),
                  dict(BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, GROUP_V=8, D_TMA=tma, H_TMA=tma, O_TMA=tma,
-                      DOT_PRECISION="tf32"), w, st)
+                      DOT_PRECISION="tf32", SPLIT=0), w, st)
+    for bv, bh, bk, _, w, st in [sft.DW_TILES, sft.DW_TILES_NARROW, (128, 128, 64, 8, 8, 4)]:
+        for split in (1, 2):  # the chunked variant's fp32 sum in int16 halves; pointer epilogue
+            comp(f"lce_dweight split={split} {bv}x{bh}x{bk} w{w} s{st}", K.lce_dweight_kernel,
+                 dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="i16", lo_ptr="i16", N=5504, V=V, H=H,
+                      stride_dn=V, stride_hn=H, stride_hk=1, stride_on=H),
+                 dict(BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, GROUP_V=8, D_TMA=True, H_TMA=True, O_TMA=False,
+                      DOT_PRECISION="tf32", SPLIT=split), w, st)
+    comp("lce_split_finalize 1024", K.lce_split_finalize_kernel,
+         dict(hi_ptr="i16", lo_ptr="i16", g_ptr="fp32", out_ptr="bf16", n=V * H), dict(BLOCK=sft._FINALIZE_BLOCK), 4, 1)
     for tma in (False, True):
         comp(f"matmul 64x64x32 tma={int(tma)}", _matmul_kernel,
              dict(a_ptr="bf16", b_ptr="bf16", c_ptr="bf16", M=1024, N=1024, K=1024, stride_am=1024, stride_ak=1,
