@@ -18,9 +18,9 @@ hopperkern sft or rl row ran.
 Timing: every provider and every floor is timed with calls enqueued back to back and one synchronisation at the
 end (benchmarks.common.time_cuda(back_to_back=True)), as in a training loop: host work overlaps the previous
 call's kernels, while a sync inside an op (hopperkern's default label check) still counts. The GPU's clock drifts
-under sustained load (the same cuBLAS GEMM ~10 % slower after seconds of work on the H200), so each shape's
-floors are timed before and after its providers and the ratios use their mean; ``floor_drift`` is the 3G floor
-after over before.
+under sustained load (the same cuBLAS GEMM has timed 10 to 20 % apart within seconds on the H200, either way), so
+each shape's floors are timed before and after its providers and the ratios use their mean; ``floor_drift`` is the
+3G floor after over before.
 
     python -m benchmarks.bench_lce --out DIR [--quick] [--compile-shapes K]
     python -m benchmarks.bench_lce --plot-from benchmarks/results/lce_NVIDIA_H200.csv   # redraw, no GPU needed
@@ -157,7 +157,7 @@ def run_case(N, H, V, provs, reps, with_errors, ceilings):
     y = torch.randint(0, V, (N,), device="cuda")
     g1 = torch.randn(N, device="cuda")
     g2 = torch.randn(N, device="cuda") * 0.1
-    floors = _floors(h, w, reps)  # and again after the providers: see _mean_floors
+    floors = _floors(h, w, reps)  # and again after the providers (the end of this function)
     ref = _reference(h, w, y, g1, g2) if with_errors else None
     gc.collect()
     torch.cuda.empty_cache()

@@ -155,12 +155,13 @@ def test_chunked_eager_calls_skip_the_custom_ops(monkeypatch):
 
 
 def test_chunked_double_backward_raises():
-    """A double backward raises rather than dropping the terms through the kept gradients."""
+    """A double backward raises (the first backward's gradients carry no graph) rather than giving gradients
+    without the terms through the kept ones."""
     inp = make_inputs(SMALL)
     h, w = _leaves(inp)[:2]
     loss = lce.linear_cross_entropy(h, w, inp.labels, tma="never", **CHUNKED)
     (gh,) = torch.autograd.grad(loss, (h,), create_graph=True)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="does not require grad"):
         torch.autograd.grad(gh.sum(), (w,))
 
 
@@ -297,11 +298,14 @@ def test_chunked_torch_compile_fullgraph():
     check_grads(grads, want_grads, 1e-6)
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=["both", "hidden", "weight"])
-def test_chunked_custom_ops_opcheck(need):
+def test_chunked_custom_ops_opcheck(need, dtype, bias):
     """torch.library.opcheck: schema, autograd registration and fake kernels of both chunked ops agree with the
-    real ones, with and without each gradient."""
-    inp = make_inputs((5, 20, 16), bias=True)
+    real ones (shapes and dtypes of every output, the empty placeholders included), with and without each
+    gradient and bias, for fp32 inputs (the d_weight sum in the fp32 gradient) and fp16 (in int16 halves)."""
+    inp = make_inputs((5, 20, 16), bias=bias, dtype=dtype)
     opts = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.01, softcap=0.0, temperature=1.0, tma="never",
                 check=True, mean=True, need_hidden_grad=need[0], need_weight_grad=need[1])
     fwd = _op_args("lce_sft_chunked_forward", hidden=inp.hidden.clone().requires_grad_(need[0]),
@@ -309,8 +313,9 @@ def test_chunked_custom_ops_opcheck(need):
     torch.library.opcheck(lce_sft_chunked_forward_op, fwd, test_utils=("test_schema", "test_autograd_registration",
                                                                        "test_faketensor"))
     _, dh, dw, lo, db = lce_sft_chunked_forward_op(*fwd)
+    assert (lo.dtype, lo.dim()) == ((torch.int16, 2) if need[1] and dtype != torch.float32 else (torch.float32, 1))
     bwd = _op_args("lce_sft_chunked_backward", d_hidden=dh.detach(), d_weight=dw.detach(), d_weight_lo=lo,
-                   d_bias_sum=db.detach(), g=upstream(()), bias_dtype=torch.float32)
+                   d_bias_sum=db.detach(), g=upstream(()), bias_dtype=dtype if bias else None)
     torch.library.opcheck(lce_sft_chunked_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -127,8 +127,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             the same three passes per chunk of tokens, the forward running both gradient GEMMs on each chunk's
             d(logits) and keeping d_hidden and the fp32 d_weight sum for the backward to scale (two passes
             when weight needs no gradient; extra memory V x H x 2 bytes for 16-bit inputs + one chunk, sized to
-            the budget below; d_hidden rounded twice where the upstream gradient is no power of two; one backward
-            per forward). "4pass": the
+            the budget below, in eager mode; d_hidden rounded twice where the upstream gradient is no power of two;
+            one backward per forward). "4pass": the
             backward recomputes the logits (four passes; extra memory O(N H) + 128 MiB). "auto" (default) takes
             "3pass" from ``sft.MIN_TOKENS_3PASS`` tokens (1536; ``sft.MIN_TOKENS_FP32_LOGITS``, 4096, with softcap,
             label smoothing or fp16) when its extra memory, N x V x itemsize plus scratch (``sft.extra_bytes``), is at

@@ -47,8 +47,8 @@ class LinearCrossEntropyLoss(nn.Module):
     there (``check_labels``: "auto" checks without a host sync, bad labels turning into NaN; True checks with one).
     ``sft_path`` ("auto" | "3pass" | "chunked" | "4pass") is too: "auto" keeps d(logits) from the forward for a
     two-GEMM backward (3 passes over the vocab) when N x V of them fit V x H x 4 bytes + 512 MiB; else runs the
-    gradient GEMMs in the forward, chunk by chunk of tokens, when chunks of 1536 tokens fit that budget; and
-    recomputes the logits otherwise.
+    gradient GEMMs in the forward, chunk by chunk of tokens, when chunks of 1536 tokens fit that budget (and for a
+    frozen weight); and recomputes the logits otherwise.
     """
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,

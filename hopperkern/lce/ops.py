@@ -312,7 +312,8 @@ def lce_sft_chunked_backward_impl(d_hidden: Tensor, d_weight: Tensor, d_weight_l
     comes back as an empty tensor. See :func:`sft.lce_sft_chunked_backward`."""
     with launch_context(d_hidden, "hopperkern.lce backward"):
         grads = lce_sft_chunked_backward(d_hidden, d_weight, d_weight_lo, d_bias_sum, g, bias_dtype)
-    return tuple(x if x is not None else d_hidden.new_empty((0,)) for x in grads)
+    # A gradient not computed: an empty tensor like the forward's placeholder it stands for (as the fake gives it).
+    return tuple(x if x is not None else kept.new_empty((0,)) for x, kept in zip(grads, (d_hidden, d_weight, d_bias_sum)))
 
 
 lce_sft_chunked_backward_op = torch.library.custom_op("hopperkern::lce_sft_chunked_backward",
@@ -324,7 +325,7 @@ def _(d_hidden, d_weight, d_weight_lo, d_bias_sum, g, bias_dtype):
     return (torch.empty_like(d_hidden, memory_format=torch.contiguous_format),
             torch.empty_like(d_weight, memory_format=torch.contiguous_format),
             d_bias_sum.new_empty(tuple(d_bias_sum.shape), dtype=bias_dtype) if bias_dtype is not None
-            else d_hidden.new_empty((0,)))
+            else d_bias_sum.new_empty((0,)))
 
 
 def _sft_chunked_grads(ctx, backward, g_loss):

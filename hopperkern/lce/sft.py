@@ -42,7 +42,8 @@ the GPU tests bound within 2x fp32-torch's error. An eager backward scales d_hid
 the forward keeps is the gradients' own memory and serves one backward (a second one through a retained graph
 raises RuntimeError). A weight that needs no gradient (a frozen head) skips the d_weight
 GEMM and its sum: two passes over the vocabulary. Extra memory: the sums' lower halves plus one chunk's d(logits) and
-scratch, at most :func:`budget_bytes`.
+scratch, at most :func:`budget_bytes` in eager mode (a backward traced by torch.compile writes new d_hidden and
+d_weight buffers beside the kept ones: (N + V) x H x itemsize more).
 
 Memory rule (``sft_path="auto"``): the 3-pass path runs from ``MIN_TOKENS_3PASS`` tokens (``MIN_TOKENS_FP32_LOGITS``
 where the forward keeps fp32 logits) when its extra memory, :func:`extra_bytes` (the kept d(logits), N x V in the
@@ -479,7 +480,11 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
         if need_hidden_grad and acc_h is None:
             torch.mm(d, weight, out=d_h[c0:c0 + rows])
         elif need_hidden_grad:
-            _acc_mm_f32(acc_h[:rows], d, weight, beta=0)
+            # One GEMM over all V columns where cuBLAS returns 16-bit products in fp32; otherwise vocab slices bound
+            # the fp32 copies of the operands that the fallback makes.
+            step = V if fast_mm_f32(d) else _slice_rows(V, rows)
+            for v0 in range(0, V, step):
+                _acc_mm_f32(acc_h[:rows], d[:, v0:v0 + step], weight[v0:v0 + step], beta=int(v0 > 0))
             d_h[c0:c0 + rows].copy_(acc_h[:rows])
         if split:
             _dweight(d, h_c, scale, d_w, opts.tma, lo=lo, accumulate=c0 > 0)
