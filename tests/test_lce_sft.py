@@ -224,26 +224,28 @@ def test_activation_checkpointing(use_reentrant):
 # Edge cases
 
 
+@pytest.mark.parametrize("path", ["3pass", "chunked"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_3pass_all_tokens_ignored(reduction, mode):
-    """All tokens ignored: loss exactly 0.0 (not NaN) and every gradient exactly zero."""
+def test_3pass_all_tokens_ignored(reduction, mode, path):
+    """All tokens ignored: loss exactly 0.0 (not NaN) and every gradient exactly zero, on both 3-pass variants."""
     inp = make_inputs(SMALL, bias=True)
     inp.labels.fill_(-100)
     with _sft_path_ran(mode):
         (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, label_smoothing=0.1, z_loss=0.02,
-                                  tma=mode, **THREE), inp, [upstream(())])
+                                  tma=mode, sft_path=path), inp, [upstream(())])
     assert loss.item() == 0.0
     for g, t in zip(grads, (inp.hidden, inp.weight, inp.bias)):
         assert g.shape == t.shape and not g.any()
 
 
+@pytest.mark.parametrize("path", ["3pass", "chunked"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_3pass_zero_tokens(reduction):
-    """No tokens: a 0.0 loss and zero grads of the right shapes, without a launch."""
+def test_3pass_zero_tokens(reduction, path):
+    """No tokens: a 0.0 loss and zero grads of the right shapes, without a launch, on both 3-pass variants."""
     inp = make_inputs((0, SMALL[1], SMALL[2]), bias=True)
     before = tma.last_decision(FWD)
-    (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, tma="always", **THREE), inp,
+    (loss,), grads = run(call(lce.linear_cross_entropy, reduction=reduction, tma="always", sft_path=path), inp,
                          [upstream(())])
     assert tma.last_decision(FWD) is before
     assert loss.shape == () and loss.item() == 0.0
