@@ -291,11 +291,12 @@ def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softc
       need_hidden_grad, need_weight_grad):
     f32 = torch.float32
     split = need_weight_grad and hidden.dtype != f32
+    none = lambda: hidden.new_empty((0,), dtype=f32)  # noqa: E731 - each placeholder a tensor of its own
     return (hidden.new_empty((), dtype=f32),
-            hidden.new_empty((hidden.shape[0], hidden.shape[1])) if need_hidden_grad else hidden.new_empty((0,), dtype=f32),
-            hidden.new_empty(tuple(weight.shape)) if need_weight_grad else hidden.new_empty((0,), dtype=f32),
-            hidden.new_empty(tuple(weight.shape), dtype=torch.int16) if split else hidden.new_empty((0,), dtype=f32),
-            hidden.new_empty((weight.shape[0],), dtype=f32) if bias is not None else hidden.new_empty((0,), dtype=f32))
+            hidden.new_empty((hidden.shape[0], hidden.shape[1])) if need_hidden_grad else none(),
+            hidden.new_empty(tuple(weight.shape)) if need_weight_grad else none(),
+            hidden.new_empty(tuple(weight.shape), dtype=torch.int16) if split else none(),
+            hidden.new_empty((weight.shape[0],), dtype=f32) if bias is not None else none())
 
 
 def _sft_chunked_setup_context(ctx, inputs, output):
@@ -313,7 +314,8 @@ def lce_sft_chunked_backward_impl(d_hidden: Tensor, d_weight: Tensor, d_weight_l
     with launch_context(d_hidden, "hopperkern.lce backward"):
         grads = lce_sft_chunked_backward(d_hidden, d_weight, d_weight_lo, d_bias_sum, g, bias_dtype)
     # A gradient not computed: an empty tensor like the forward's placeholder it stands for (as the fake gives it).
-    return tuple(x if x is not None else kept.new_empty((0,)) for x, kept in zip(grads, (d_hidden, d_weight, d_bias_sum)))
+    kept = (d_hidden, d_weight, d_bias_sum)
+    return tuple(x if x is not None else k.new_empty((0,)) for x, k in zip(grads, kept))
 
 
 lce_sft_chunked_backward_op = torch.library.custom_op("hopperkern::lce_sft_chunked_backward",
@@ -347,8 +349,8 @@ torch.library.register_autograd("hopperkern::lce_sft_chunked_forward", _sft_chun
 
 class LceSftChunkedFunction(torch.autograd.Function):
     """The chunked SFT op's autograd for eager calls: its forward function called directly, without the custom
-    op's per-call dispatch work, and a backward that scales the kept d_hidden in place (one backward per forward).
-    Traced calls use the ops (the backward op writes a new d_hidden)."""
+    op's per-call dispatch work, and a backward that scales the kept d_hidden and d_weight in place (one backward
+    per forward). Traced calls use the ops (the backward op writes new buffers)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma,
