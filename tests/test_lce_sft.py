@@ -178,10 +178,13 @@ def test_gradient_accumulation(mode):
     check_grads(got["3pass"], got["4pass"], SAME_ORDER_RTOL)
 
 
-def test_eager_3pass_calls_skip_the_custom_ops(monkeypatch):
-    """An eager differentiable call runs the 3-pass forward and backward through their autograd function, not
-    the custom ops (and their per-call dispatch work): with both ops made to raise, the eager call still
-    computes the 4-pass path's gradients, bias included."""
+@pytest.mark.parametrize("path, op_names", [
+    ("3pass", ["lce_sft_forward_op", "lce_sft_backward_op"]),
+    ("chunked", ["lce_sft_chunked_forward_op", "lce_sft_chunked_backward_op"])])
+def test_eager_3pass_calls_skip_the_custom_ops(path, op_names, monkeypatch):
+    """An eager differentiable call on either 3-pass variant runs its forward and backward through its autograd
+    function, not the custom ops (and their per-call dispatch work): with its ops made to raise, the eager call
+    still computes the 4-pass path's gradients, bias included."""
     from hopperkern.lce import ops
 
     inp = make_inputs(SHAPE, bias=True, ignore=0.3)
@@ -191,10 +194,11 @@ def test_eager_3pass_calls_skip_the_custom_ops(monkeypatch):
 
     h, w, b = _leaves(inp)
     expected = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", **FOUR), (h, w, b))
-    monkeypatch.setattr(ops, "lce_sft_forward_op", boom)
-    monkeypatch.setattr(ops, "lce_sft_backward_op", boom)
-    monkeypatch.setattr(lce.api, "lce_sft_forward_op", boom)
-    got = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", **THREE), (h, w, b))
+    for name in op_names:
+        monkeypatch.setattr(ops, name, boom)
+    monkeypatch.setattr(lce.api, op_names[0], boom)
+    got = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", sft_path=path),
+                              (h, w, b))
     check_grads(list(got), list(expected), SAME_ORDER_RTOL)
 
 

@@ -135,21 +135,7 @@ def test_chunked_activation_checkpointing(use_reentrant):
         assert torch.equal(got, exp)
 
 
-def test_chunked_eager_calls_skip_the_custom_ops(monkeypatch):
-    """An eager differentiable call runs through LceSftChunkedFunction, not the custom ops."""
-    from hopperkern.lce import ops
-
-    inp = make_inputs(SHAPE, bias=True, ignore=0.3)
-
-    def boom(*args, **kwargs):
-        raise AssertionError("custom op called in eager mode")
-
-    h, w, b = _leaves(inp)
-    expected = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", **FOUR), (h, w, b))
-    monkeypatch.setattr(ops, "lce_sft_chunked_backward_op", boom)
-    monkeypatch.setattr(lce.api, "lce_sft_chunked_forward_op", boom)
-    got = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, bias=b, tma="never", **CHUNKED), (h, w, b))
-    check_grads(list(got), list(expected), SAME_ORDER_RTOL)
+# Eager calls skipping the custom ops: test_lce_sft.py's test runs both 3-pass variants.
 
 
 def test_chunked_double_backward_raises():
