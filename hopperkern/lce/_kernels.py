@@ -550,6 +550,70 @@ def _split_f32(x):
 
 
 @triton.jit
+def _dweight_epilogue(acc, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V: tl.constexpr,
+                      BLOCK_H: tl.constexpr, O_TMA: tl.constexpr, SPLIT: tl.constexpr):
+    """Store one [BLOCK_V, BLOCK_H] slice of lce_dweight_kernel's fp32 sum at (v0, h0) through ``o_dst`` /
+    ``l_dst`` (descriptors or pointers): round(g * acc) in out_ptr's dtype for SPLIT 0, else acc (plus the sum
+    held so far for SPLIT 2) as int16 upper and lower halves."""
+    if SPLIT == 0:
+        out = acc * tl.load(g_ptr)
+        store_2d(o_dst, out.to(out_ptr.dtype.element_ty), v0, h0, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+    else:
+        if SPLIT == 2:
+            hi = load_2d(o_dst, v0, h0, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+            lo = load_2d(l_dst, v0, h0, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+            acc += _join_f32(hi, lo)
+        hi, lo = _split_f32(acc)
+        store_2d(o_dst, hi, v0, h0, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+        store_2d(l_dst, lo, v0, h0, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+
+
+@triton.jit
+def _halves(x, BLOCK_V: tl.constexpr, HALF: tl.constexpr):
+    """The left and right [BLOCK_V, HALF] column halves of tile x [BLOCK_V, 2 * HALF] (register-only)."""
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_V, 2, HALF)), (0, 2, 1)))
+
+
+@triton.jit
+def _dweight_tile(tile, d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, stride_dn, stride_hn, stride_hk, stride_on,
+                  BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+                  D_TMA: tl.constexpr, H_TMA: tl.constexpr, O_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  SPLIT: tl.constexpr, EPI_SUB: tl.constexpr):
+    """One [BLOCK_V, BLOCK_H] tile of lce_dweight_kernel: the K loop over all N tokens, then its epilogue in
+    EPI_SUB column slices."""
+    vb, hb = grouped_tile(tile, tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP_V)
+    acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
+    for k in range(0, tl.cdiv(N, BLOCK_K)):
+        # Token tail (rows >= N) reads zeros from both operands; columns >= V of d read zeros too.
+        a = load_2d(d_src, k * BLOCK_K, vb * BLOCK_V, N, V, stride_dn, 1, BLOCK_K, BLOCK_V, D_TMA)
+        b = load_2d(h_src, k * BLOCK_K, hb * BLOCK_H, N, H, stride_hn, stride_hk, BLOCK_K, BLOCK_H, H_TMA)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+    v0 = vb * BLOCK_V
+    h0 = hb * BLOCK_H
+    if EPI_SUB == 1:
+        _dweight_epilogue(acc, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA, SPLIT)
+    else:
+        # Column slices: the sum held so far and its halves are live for one slice at a time (no spills at
+        # 128 x 256 with SPLIT 2, where the whole tile spills 660 bytes per thread).
+        SUB: tl.constexpr = BLOCK_H // EPI_SUB
+        a0, a1 = _halves(acc, BLOCK_V, BLOCK_H // 2)
+        if EPI_SUB == 2:
+            _dweight_epilogue(a0, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, SUB, O_TMA, SPLIT)
+            _dweight_epilogue(a1, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + SUB, V, H, stride_on, BLOCK_V, SUB, O_TMA, SPLIT)
+        else:
+            tl.static_assert(EPI_SUB == 4, "EPI_SUB is 1, 2 or 4")
+            a00, a01 = _halves(a0, BLOCK_V, SUB)
+            _dweight_epilogue(a00, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, SUB, O_TMA, SPLIT)
+            _dweight_epilogue(a01, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + SUB, V, H, stride_on, BLOCK_V, SUB, O_TMA,
+                              SPLIT)
+            a10, a11 = _halves(a1, BLOCK_V, SUB)
+            _dweight_epilogue(a10, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + 2 * SUB, V, H, stride_on, BLOCK_V, SUB, O_TMA,
+                              SPLIT)
+            _dweight_epilogue(a11, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + 3 * SUB, V, H, stride_on, BLOCK_V, SUB, O_TMA,
+                              SPLIT)
+
+
+@triton.jit
 def lce_dweight_kernel(
     d_ptr,  # [N, ld_d] d(logits), in the inputs' dtype
     h_ptr,  # [N, H] hidden
@@ -559,43 +623,44 @@ def lce_dweight_kernel(
     N, V, H, stride_dn, stride_hn, stride_hk, stride_on,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
     D_TMA: tl.constexpr, H_TMA: tl.constexpr, O_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr = 0,
+    SPLIT: tl.constexpr = 0, EPI_SUB: tl.constexpr = 1, NUM_PROGRAMS: tl.constexpr = 0,
+    FLATTEN: tl.constexpr = False,
 ):
     """d_weight = round(g * (d^T @ h)): one GEMM over all N tokens (K = N) with fp32 accumulation, the upstream
-    gradient applied to the fp32 sum and a single rounding to the output dtype (the 3-pass SFT backward). Grid
-    (cdiv(V, BLOCK_V) * cdiv(H, BLOCK_H),), GROUP_V vocab blocks per sweep of the hidden blocks. Both operands
-    are read K-row by K-row ([BLOCK_K, BLOCK_V] of d, [BLOCK_K, BLOCK_H] of h); the d tile is transposed on chip.
+    gradient applied to the fp32 sum and a single rounding to the output dtype (the 3-pass SFT backward). Tiles
+    in grouped order, GROUP_V vocab blocks per sweep of the hidden blocks. Both operands are read K-row by K-row
+    ([BLOCK_K, BLOCK_V] of d, [BLOCK_K, BLOCK_H] of h); the d tile is transposed on chip.
+
+    Grid: (cdiv(V, BLOCK_V) * cdiv(H, BLOCK_H),), one program a tile, for NUM_PROGRAMS 0; else (NUM_PROGRAMS,)
+    persistent programs looping over the tiles, FLATTEN fusing that loop with the K loop so that the next
+    tile's first operand loads are issued under this tile's epilogue. EPI_SUB: the epilogue in 1, 2 or 4
+    column slices of BLOCK_H / EPI_SUB (O_TMA descriptors have boxes of that width).
 
     SPLIT (the chunked 3-pass variant, one launch per token chunk; g not applied): 1 stores the fp32 product
     d^T @ h, 2 adds it to the fp32 sum held so far, each fp32 number kept exactly as its upper 16 bits in
     ``out`` and its lower 16 bits in ``lo`` (an fp32 sum in the memory of the 16-bit gradient plus as much
     again; :func:`lce_split_finalize_kernel` applies g and rounds).
     """
-    vb, hb = grouped_tile(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP_V)
-    d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_K, BLOCK_V, D_TMA)
-    h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_K, BLOCK_H, H_TMA)
-    acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
-    for k in range(0, tl.cdiv(N, BLOCK_K)):
-        # Token tail (rows >= N) reads zeros from both operands; columns >= V of d read zeros too.
-        a = load_2d(d_src, k * BLOCK_K, vb * BLOCK_V, N, V, stride_dn, 1, BLOCK_K, BLOCK_V, D_TMA)
-        b = load_2d(h_src, k * BLOCK_K, hb * BLOCK_H, N, H, stride_hn, stride_hk, BLOCK_K, BLOCK_H, H_TMA)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-    o_dst = tile_source_2d(out_ptr, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA)
-    if SPLIT == 0:
-        out = acc * tl.load(g_ptr)
-        store_2d(o_dst, out.to(out_ptr.dtype.element_ty), vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V,
-                 BLOCK_H, O_TMA)
-    else:
+    if SPLIT != 0:
         tl.static_assert(out_ptr.dtype.element_ty == tl.int16, "SPLIT stores int16 halves")
         tl.static_assert(lo_ptr.dtype.element_ty == tl.int16, "SPLIT stores int16 halves")
-        l_dst = tile_source_2d(lo_ptr, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA)
-        if SPLIT == 2:
-            hi = load_2d(o_dst, vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
-            lo = load_2d(l_dst, vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
-            acc += _join_f32(hi, lo)
-        hi, lo = _split_f32(acc)
-        store_2d(o_dst, hi, vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
-        store_2d(l_dst, lo, vb * BLOCK_V, hb * BLOCK_H, V, H, stride_on, 1, BLOCK_V, BLOCK_H, O_TMA)
+    d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_K, BLOCK_V, D_TMA)
+    h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_K, BLOCK_H, H_TMA)
+    o_dst = tile_source_2d(out_ptr, V, H, stride_on, BLOCK_V, BLOCK_H // EPI_SUB, O_TMA)
+    if SPLIT != 0:
+        l_dst = tile_source_2d(lo_ptr, V, H, stride_on, BLOCK_V, BLOCK_H // EPI_SUB, O_TMA)
+    else:
+        l_dst = o_dst
+    if NUM_PROGRAMS == 0:
+        _dweight_tile(tl.program_id(0), d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, stride_dn, stride_hn,
+                      stride_hk, stride_on, BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, D_TMA, H_TMA, O_TMA, DOT_PRECISION,
+                      SPLIT, EPI_SUB)
+    else:
+        num_tiles = tl.cdiv(V, BLOCK_V) * tl.cdiv(H, BLOCK_H)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+            _dweight_tile(tile, d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, stride_dn, stride_hn, stride_hk,
+                          stride_on, BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, D_TMA, H_TMA, O_TMA, DOT_PRECISION,
+                          SPLIT, EPI_SUB)
 
 
 @triton.jit

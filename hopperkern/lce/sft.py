@@ -58,6 +58,8 @@ and vocab-parallel calls, the 4-pass path runs (extra memory O(N H) + 128 MiB). 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import tma as _tma
@@ -330,39 +332,83 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     return loss.sum()
 
 
-# lce_dweight_kernel's tiles (BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, num_warps, num_stages): 128 x 256 x 64 with a
-# 3-stage pipeline (144 KB of shared memory on sm_90, no spills), 256 x 128 where H is no multiple of 256 (no
-# half-empty hidden tile). Measured on the H200 (bf16, one run), time / cuBLAS's bf16 d(logits)^T @ h:
-# 1.01-1.10 at H = 4096, 3584 and 2304; 1.26 at H = 896 with 256 x 128 (1.42 with 128 x 256).
-DW_TILES = (128, 256, 64, 8, 8, 3)
-DW_TILES_NARROW = (256, 128, 64, 8, 8, 3)
-_DW_TILES_INTERPRETED = (16, 32, 16, 4, 4, 1)
+class DwTiles(NamedTuple):
+    """One launch shape of ``lce_dweight_kernel``: tiles, tile group, warps, pipeline stages, the epilogue's
+    column slices (``epi_sub``), whether one persistent program per SM loops over the tiles (``persistent``,
+    with the tile and K loops fused when ``flatten``), and whether the epilogue may use TMA (``epi_tma``; False:
+    pointer loads and stores there whatever the call's mode)."""
+
+    block_v: int
+    block_h: int
+    block_k: int
+    group: int
+    warps: int
+    stages: int
+    epi_sub: int = 1
+    persistent: bool = False
+    flatten: bool = False
+    epi_tma: bool = True
+
+
+# lce_dweight_kernel's tiles: 128 x 256 x 64 with a 3-stage pipeline (144 KB of shared memory on sm_90, no
+# spills), 256 x 128 where H is no multiple of 256 (no half-empty hidden tile). Measured on the H200 (bf16, one
+# run), time / cuBLAS's bf16 d(logits)^T @ h: 1.01-1.10 at H = 4096, 3584 and 2304; 1.26 at H = 896 with
+# 256 x 128 (1.42 with 128 x 256).
+DW_TILES = DwTiles(128, 256, 64, 8, 8, 3)
+DW_TILES_NARROW = DwTiles(256, 128, 64, 8, 8, 3)
+# The chunked variant's split launches (the sum held so far read and written in the epilogue): the same tiles,
+# the epilogue in four column slices, so that a slice's halves and the fp32 sum are live one slice at a time
+# (the whole 128 x 256 tile at once spills 660 bytes per thread: benchmarks/compile_lce_sm90.py).
+DW_SPLIT_TILES = DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4)
+DW_SPLIT_TILES_NARROW = DwTiles(256, 128, 64, 8, 8, 3, epi_sub=4)
+# Under the interpreter: small tiles, and the persistent loop and sliced epilogue over a few programs, so that
+# CPU tests walk every branch the GPU tiles take.
+_DW_TILES_INTERPRETED = DwTiles(16, 32, 16, 4, 4, 1)
+_DW_SPLIT_TILES_INTERPRETED = DwTiles(16, 32, 16, 4, 4, 1, epi_sub=2, persistent=True)
+_DW_PROGRAMS_INTERPRETED = 3
 _DW_OP = "lce.sft_dweight"  # its launch's name in tma.last_decision
 
 
+def dweight_tiles(H: int, split: bool) -> DwTiles:
+    """The launch shape of ``lce_dweight_kernel`` for hidden size ``H``; ``split``: the chunked variant's."""
+    if _tma.interpreter_active():
+        return _DW_SPLIT_TILES_INTERPRETED if split else _DW_TILES_INTERPRETED
+    wide, narrow = (DW_SPLIT_TILES, DW_SPLIT_TILES_NARROW) if split else (DW_TILES, DW_TILES_NARROW)
+    return wide if H % wide.block_h == 0 else narrow
+
+
 def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: torch.Tensor, tma: str, *,
-             lo: torch.Tensor | None = None, accumulate: bool = False) -> None:
+             lo: torch.Tensor | None = None, accumulate: bool = False, tiles: DwTiles | None = None) -> None:
     """d_w = round(g * (dl^T @ hidden2d)) for 16-bit inputs, one launch of ``lce_dweight_kernel``. With ``lo``
     (int16, d_w's shape; the chunked variant): the fp32 product, or with ``accumulate`` its sum with the fp32
     numbers held so far, kept exactly as upper halves in d_w's memory and lower halves in ``lo`` (g not applied;
-    :func:`_finalize_split` does that). The epilogue of a split launch uses pointer loads and stores."""
+    :func:`_finalize_split` does that). ``tiles``: the launch shape, else :func:`dweight_tiles`'s."""
     N, H = hidden2d.shape
     V = d_w.shape[0]
-    if _tma.interpreter_active():
-        bv, bh, bk, group, warps, stages = _DW_TILES_INTERPRETED
-    else:
-        bv, bh, bk, group, warps, stages = DW_TILES if H % DW_TILES[1] == 0 else DW_TILES_NARROW
-    operands = {"dlogits": (dl, (bk, bv)), "hidden": (hidden2d, (bk, bh))}
-    if lo is None:
-        operands["dweight"] = (d_w, (bv, bh))
-    d = _tma.decide(tma, operands, op=_DW_OP)
+    t = tiles or dweight_tiles(H, lo is not None)
     out = d_w if lo is None else d_w.view(torch.int16)
-    lce_dweight_kernel[(cdiv(V, bv) * cdiv(H, bh),)](
+    box = (t.block_v, t.block_h // t.epi_sub)
+    operands = {"dlogits": (dl, (t.block_k, t.block_v)), "hidden": (hidden2d, (t.block_k, t.block_h))}
+    if t.epi_tma:
+        operands["dweight"] = (out, box)
+        if lo is not None:
+            operands["dweight_lo"] = (lo, box)
+    d = _tma.decide(tma, operands, op=_DW_OP)
+    o_tma = d.use.get("dweight", False) and d.use.get("dweight_lo", True)
+    tiles_total = cdiv(V, t.block_v) * cdiv(H, t.block_h)
+    if not t.persistent:
+        programs = 0
+    elif _tma.interpreter_active():
+        programs = min(tiles_total, _DW_PROGRAMS_INTERPRETED)
+    else:
+        programs = min(tiles_total, _tma.capability(d_w.device).sm_count)
+    lce_dweight_kernel[(programs or tiles_total,)](
         dl, hidden2d, g, out, out if lo is None else lo, N, V, H, dl.stride(0), hidden2d.stride(0),
         hidden2d.stride(1), d_w.stride(0),
-        BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, GROUP_V=group, D_TMA=d["dlogits"], H_TMA=d["hidden"],
-        O_TMA=d.use.get("dweight", False), DOT_PRECISION=dot_precision(hidden2d.dtype),
-        SPLIT=0 if lo is None else 1 + accumulate, num_warps=warps, num_stages=stages,
+        BLOCK_V=t.block_v, BLOCK_H=t.block_h, BLOCK_K=t.block_k, GROUP_V=t.group, D_TMA=d["dlogits"],
+        H_TMA=d["hidden"], O_TMA=o_tma, DOT_PRECISION=dot_precision(hidden2d.dtype),
+        SPLIT=0 if lo is None else 1 + accumulate, EPI_SUB=t.epi_sub, NUM_PROGRAMS=programs, FLATTEN=t.flatten,
+        num_warps=t.warps, num_stages=t.stages,
     )
 
 

@@ -1,0 +1,218 @@
+"""The d_weight GEMM of the 3-pass SFT paths (``lce_dweight_kernel``) in each launch shape, against cuBLAS, in one
+run; then the chunked SFT step (forward + backward) with each split launch shape, against its 3G floor.
+
+    python -m benchmarks.bench_dweight [--out DIR] [--quick]
+
+Kernel rows (``part=kernel``), per case (V, H, N tokens of one launch):
+- ``split``: the chunked variant's accumulating launch (SPLIT 2): reads the fp32 sum held so far as int16 halves,
+  adds d^T @ h, writes it back. Reference: cuBLAS ``addmm`` of the same product into an fp32 [V, H] C, the same
+  bytes (C read and written in fp32).
+- ``plain``: the unbounded 3-pass path's launch (SPLIT 0: g applied, one rounding to bf16). Reference: cuBLAS's
+  bf16 ``d.T @ h``.
+Every launch shape's output must equal the first one's bit for bit (one K order; the epilogue changes only how the
+tile is written), and the first one's must match cuBLAS's fp32 product; a shape that differs is reported and not
+timed. Times are CUDA-event medians of back-to-back launches in rotated rounds after a settling run
+(:func:`hopperkern.tune.timing.pick_fastest`'s method), each as a ratio to the reference timed in the same rounds.
+
+Step rows (``part=step``): ``linear_cross_entropy(..., reduction="sum", sft_path="chunked")`` forward + backward
+at the large shapes with ``sft.DW_SPLIT_TILES`` set to each split shape in turn, interleaved with the 3G floor
+(``h @ w.T`` + ``d @ w`` + ``d.T @ h`` in cuBLAS) in the same rounds; ratio = time / 3G.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import run_meta, time_cuda, write_csv
+from hopperkern.lce import sft
+from hopperkern.lce.sft import DwTiles
+
+W, N_ = sft.DW_TILES, sft.DW_TILES_NARROW
+# Launch shapes compared: the first of each list is the reference for bitwise equality.
+SPLIT_SHAPES = {
+    "128x256 whole ptr": DwTiles(128, 256, 64, 8, 8, 3, epi_tma=False),
+    "128x256 sub4 ptr": DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4, epi_tma=False),
+    "128x256 sub4 tma": DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4),
+    "128x256 sub2 tma": DwTiles(128, 256, 64, 8, 8, 3, epi_sub=2),
+    "128x256 sub4 tma pers": DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4, persistent=True),
+    "128x256 sub4 tma pers flat": DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4, persistent=True, flatten=True),
+    "128x256 sub4 ptr pers flat": DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4, persistent=True, flatten=True,
+                                          epi_tma=False),
+    "128x128 s4 whole tma": DwTiles(128, 128, 64, 8, 8, 4),
+    "128x128 s4 sub2 tma pers flat": DwTiles(128, 128, 64, 8, 8, 4, epi_sub=2, persistent=True, flatten=True),
+}
+PLAIN_SHAPES = {
+    "whole tma": None,  # the shipped DW_TILES / DW_TILES_NARROW
+    "sub2 tma": "sub2",
+    "pers flat": "pf",
+    "sub2 pers flat": "sub2pf",
+}
+# (V, H, N): the chunk sizes "auto" runs at the three large shapes, and the 3-pass path's full batches.
+SPLIT_CASES = [(128256, 4096, 5504), (152064, 3584, 4096), (256000, 2304, 2816)]
+PLAIN_CASES = [(128256, 4096, 8192), (152064, 3584, 1937), (151936, 896, 2169)]
+STEP_CASES = [(32768, 4096, 128256), (16384, 3584, 152064), (8192, 2304, 256000)]
+
+
+def _plain_tiles(H: int, how):
+    base = W if H % W.block_h == 0 else N_
+    if how is None:
+        return base
+    return base._replace(epi_sub=2 if "sub2" in how else 1, persistent="pf" in how, flatten="pf" in how)
+
+
+def _rounds(fns: dict, rounds: int, reps: int, settle: int) -> dict:
+    """{name: [ms per round]} of back-to-back timings, round r in the order rotated by r."""
+    names = list(fns)
+    for _ in range(settle):
+        fns[names[0]]()
+    torch.cuda.synchronize()
+    out = {n: [] for n in names}
+    for r in range(rounds):
+        for j in range(len(names)):
+            n = names[(j + r) % len(names)]
+            out[n].append(time_cuda(fns[n], warmup=1, reps=reps, back_to_back=True)[0])
+    return out
+
+
+def _kernel_rows(kind, cases, shapes, rounds, reps, log):
+    rows = []
+    for V, H, N in cases:
+        g = torch.Generator(device="cuda").manual_seed(V + H + N)
+        d = (torch.randn((N, V), device="cuda", generator=g) * 1e-2).bfloat16()
+        h = torch.randn((N, H), device="cuda", generator=g).bfloat16()
+        one = torch.ones(1, device="cuda")
+        ref32 = torch.randn((V, H), device="cuda", generator=g)  # the fp32 sum held so far
+        want = torch.addmm(ref32, d.t(), h, out_dtype=torch.float32)
+        hi0, lo0 = (ref32.view(torch.int32) >> 16).to(torch.int16), ref32.view(torch.int32).to(torch.int16)
+        fns, first = {}, None
+        acc = torch.empty_like(ref32)
+        if kind == "split":
+            fns["cuBLAS addmm fp32"] = lambda: torch.addmm(acc, d.t(), h, out_dtype=torch.float32, out=acc)
+        else:
+            wb = torch.empty((V, H), dtype=torch.bfloat16, device="cuda")
+            fns["cuBLAS bf16 mm"] = lambda: torch.mm(d.t(), h, out=wb)
+        for name, spec in shapes.items():
+            t = spec if kind == "split" else _plain_tiles(H, spec)
+            hi = torch.empty((V, H), dtype=torch.bfloat16, device="cuda")
+            lo = torch.empty((V, H), dtype=torch.int16, device="cuda")
+            try:
+                if kind == "split":
+                    hi.view(torch.int16).copy_(hi0)
+                    lo.copy_(lo0)
+                    sft._dweight(d, h, one, hi, "auto", lo=lo, accumulate=True, tiles=t)
+                    got = ((hi.view(torch.int16).to(torch.int32) << 16) | (lo.to(torch.int32) & 0xFFFF)).view(
+                        torch.float32)
+                else:
+                    sft._dweight(d, h, one, hi, "auto", tiles=t)
+                    got = hi.clone()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a shape that does not compile or launch is reported
+                log(f"  {kind} {V}x{H}x{N} {name}: FAILED {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            if first is None:
+                first = got
+                ref = want if kind == "split" else want - ref32
+                err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                ok = err < (1e-5 if kind == "split" else 1e-2)
+                log(f"  {kind} {V}x{H}x{N} {name}: max error vs cuBLAS fp32 {err:.2e}")
+            else:
+                ok = torch.equal(got, first)
+            if not ok:
+                log(f"  {kind} {V}x{H}x{N} {name}: WRONG (not bitwise equal to the first shape / the reference)")
+                continue
+            if kind == "split":
+                fns[name] = (lambda t=t, hi=hi, lo=lo: sft._dweight(d, h, one, hi, "auto", lo=lo, accumulate=True,
+                                                                    tiles=t))
+            else:
+                fns[name] = lambda t=t, hi=hi: sft._dweight(d, h, one, hi, "auto", tiles=t)
+        times = _rounds(fns, rounds, reps, settle=10)
+        ref_name = next(iter(fns))
+        ref_ms = statistics.median(times[ref_name])
+        for name, ts in times.items():
+            ratio = statistics.median([a / b for a, b in zip(ts, times[ref_name])])
+            rows.append(dict(part="kernel", kind=kind, V=V, H=H, N=N, variant=name, time_ms=statistics.median(ts),
+                             ratio=ratio, ratio_to=ref_name, flops_tf=2 * V * H * N / statistics.median(ts) / 1e9))
+            log(f"  {kind} {V}x{H}x{N} {name:32s} {statistics.median(ts):8.3f} ms  {ratio:.3f} x {ref_name}"
+                f" (ref {ref_ms:.3f} ms)")
+        del d, h, ref32, want, acc
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _step_rows(cases, shapes, rounds, reps, log):
+    from hopperkern import lce
+
+    rows = []
+    saved = (sft.DW_SPLIT_TILES, sft.DW_SPLIT_TILES_NARROW)
+    try:
+        for N, H, V in cases:
+            g = torch.Generator(device="cuda").manual_seed(N + H)
+            h = (torch.randn((N, H), device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+            w = (torch.randn((V, H), device="cuda", generator=g) * H**-0.5).bfloat16().requires_grad_()
+            y = torch.randint(0, V, (N,), device="cuda", generator=g)
+            dl = (torch.randn((N, V), device="cuda", generator=g) * 1e-3).bfloat16()
+            hd, wd = h.detach(), w.detach()
+            grads = {}
+
+            def step(t, key):
+                def run():
+                    sft.DW_SPLIT_TILES = sft.DW_SPLIT_TILES_NARROW = t
+                    h.grad = w.grad = None
+                    lce.linear_cross_entropy(h, w, y, reduction="sum", sft_path="chunked").backward()
+                    grads[key] = w.grad
+                return run
+
+            fns = {"3G floor": lambda: (hd @ wd.T, dl @ wd, dl.T @ hd)}
+            for name, t in shapes.items():
+                fns[name] = step(t, name)
+                fns[name]()
+            base = grads[next(iter(shapes))]
+            for name in list(shapes):
+                if not torch.equal(grads[name], base):
+                    log(f"  step {N}x{H}x{V} {name}: d_weight differs from {next(iter(shapes))}'s: not timed")
+                    del fns[name]
+            times = _rounds(fns, rounds, reps, settle=2)
+            floor = times["3G floor"]
+            for name, ts in times.items():
+                ratio = statistics.median([a / b for a, b in zip(ts, floor)])
+                rows.append(dict(part="step", kind="chunked", V=V, H=H, N=N, variant=name,
+                                 time_ms=statistics.median(ts), ratio=ratio, ratio_to="3G floor"))
+                log(f"  step {N}x{H}x{V} {name:32s} {statistics.median(ts):8.2f} ms  {ratio:.3f} x 3G")
+            del h, w, y, dl, hd, wd, grads, fns
+            torch.cuda.empty_cache()
+    finally:
+        sft.DW_SPLIT_TILES, sft.DW_SPLIT_TILES_NARROW = saved
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="one case of each part, fewer rounds")
+    ap.add_argument("--step-shapes", default="128x256 whole ptr,128x256 sub4 tma,128x256 sub4 tma pers flat",
+                    help="comma-separated SPLIT_SHAPES names for the step rows")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_dweight needs a CUDA GPU")
+        return 0
+    sl = slice(0, 1) if args.quick else slice(None)
+    rounds, reps = (3, 5) if args.quick else (5, 7)
+    rows = _kernel_rows("split", SPLIT_CASES[sl], SPLIT_SHAPES, rounds, reps, print)
+    rows += _kernel_rows("plain", PLAIN_CASES[sl], PLAIN_SHAPES, rounds, reps, print)
+    step_shapes = {n: SPLIT_SHAPES[n] for n in args.step_shapes.split(",") if n}
+    rows += _step_rows(STEP_CASES[sl], step_shapes, 3, 3, print)
+    if args.out is not None:
+        meta = run_meta()
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_csv(args.out / f"dweight_{meta.get('device', 'gpu').replace(' ', '_')}.csv",
+                  [dict(meta, **r) for r in rows])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
