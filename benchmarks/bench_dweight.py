@@ -139,7 +139,6 @@ def _kernel_rows(kind, cases, shapes, rounds, reps, log):
                              ratio=ratio, ratio_to=ref_name, flops_tf=2 * V * H * N / statistics.median(ts) / 1e9))
             log(f"  {kind} {V}x{H}x{N} {name:32s} {statistics.median(ts):8.3f} ms  {ratio:.3f} x {ref_name}"
                 f" (ref {ref_ms:.3f} ms)")
-        del d, h, ref32, want, acc
         torch.cuda.empty_cache()
     return rows
 
@@ -183,7 +182,6 @@ def _step_rows(cases, shapes, rounds, reps, log):
                 rows.append(dict(part="step", kind="chunked", V=V, H=H, N=N, variant=name,
                                  time_ms=statistics.median(ts), ratio=ratio, ratio_to="3G floor"))
                 log(f"  step {N}x{H}x{V} {name:32s} {statistics.median(ts):8.2f} ms  {ratio:.3f} x 3G")
-            del h, w, y, dl, hd, wd, grads, fns
             torch.cuda.empty_cache()
     finally:
         sft.DW_SPLIT_TILES, sft.DW_SPLIT_TILES_NARROW = saved
