@@ -96,20 +96,26 @@ def main() -> int:
                   stride_dn=V, stride_on=V, stride_mt=1024, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
              dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False,
                   D_TMA=tma), 4, 1)
-    for bv, bh, bk, _, w, st in [sft.DW_TILES, sft.DW_TILES_NARROW, (128, 128, 64, 8, 8, 4)]:
-        for tma in (False, True):
-            comp(f"lce_dweight {bv}x{bh}x{bk} w{w} s{st} tma={int(tma)}", K.lce_dweight_kernel,
-                 dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="bf16", lo_ptr="bf16", N=8192, V=V, H=H,
-                      stride_dn=V, stride_hn=H, stride_hk=1, stride_on=H),
-                 dict(BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, GROUP_V=8, D_TMA=tma, H_TMA=tma, O_TMA=tma,
-                      DOT_PRECISION="tf32", SPLIT=0), w, st)
-    for bv, bh, bk, _, w, st in [sft.DW_TILES, sft.DW_TILES_NARROW, (128, 128, 64, 8, 8, 4)]:
-        for split in (1, 2):  # the chunked variant's fp32 sum in int16 halves; pointer epilogue
-            comp(f"lce_dweight split={split} {bv}x{bh}x{bk} w{w} s{st}", K.lce_dweight_kernel,
-                 dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="i16", lo_ptr="i16", N=5504, V=V, H=H,
-                      stride_dn=V, stride_hn=H, stride_hk=1, stride_on=H),
-                 dict(BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, GROUP_V=8, D_TMA=True, H_TMA=True, O_TMA=False,
-                      DOT_PRECISION="tf32", SPLIT=split), w, st)
+    # lce_dweight_kernel in its shipped launch shapes (sft.DW_TILES*: the 3-pass path; sft.DW_SPLIT_TILES*: the
+    # chunked variant's split launches, SPLIT 1 storing a chunk's product and 2 adding it to the sum) and the
+    # one-program-a-tile, whole-epilogue shapes beside them (the split epilogue's spills at 128 x 256).
+    whole = dict(epi_sub=1, persistent=False, flatten=False)
+    plain = [sft.DW_TILES, sft.DW_TILES_NARROW, sft.DW_TILES._replace(**whole)]
+    split = [sft.DW_SPLIT_TILES, sft.DW_SPLIT_TILES_NARROW, sft.DW_SPLIT_TILES._replace(**whole)]
+    for kind, shapes in (("plain", plain), ("split", split)):
+        for t in shapes:
+            for tma in (False, True) if kind == "plain" else (True,):
+                for s in (0,) if kind == "plain" else (1, 2):
+                    o_tma = tma and t.epi_tma
+                    comp(f"lce_dweight {kind} split={s} {t.block_v}x{t.block_h}x{t.block_k} w{t.warps} s{t.stages} "
+                         f"epi_sub={t.epi_sub} persistent={int(t.persistent)} flatten={int(t.flatten)} "
+                         f"tma={int(tma)} epi_tma={int(o_tma)}", K.lce_dweight_kernel,
+                         dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="i16" if s else "bf16",
+                              lo_ptr="i16" if s else "bf16", N=5504, V=V, H=H, stride_dn=V, stride_hn=H,
+                              stride_hk=1, stride_on=H),
+                         dict(BLOCK_V=t.block_v, BLOCK_H=t.block_h, BLOCK_K=t.block_k, GROUP_V=t.group, D_TMA=tma,
+                              H_TMA=tma, O_TMA=o_tma, DOT_PRECISION="tf32", SPLIT=s, EPI_SUB=t.epi_sub,
+                              NUM_PROGRAMS=132 if t.persistent else 0, FLATTEN=t.flatten), t.warps, t.stages)
     comp("lce_split_finalize 1024", K.lce_split_finalize_kernel,
          dict(hi_ptr="i16", lo_ptr="i16", g_ptr="fp32", out_ptr="bf16", n=V * H), dict(BLOCK=sft._FINALIZE_BLOCK), 4, 1)
     for tma in (False, True):

@@ -468,3 +468,54 @@ def test_sft_custom_ops_opcheck():
                        g=upstream(()), need_hidden_grad=True, need_weight_grad=True, tma="never")
         torch.library.opcheck(lce_sft_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
 
+
+
+_DW_SHAPES = [
+    ("one-program-a-tile", dict(persistent=False, flatten=False, epi_sub=1)),
+    ("persistent", dict(persistent=True, flatten=False, epi_sub=1)),
+    ("persistent-flattened", dict(persistent=True, flatten=True, epi_sub=1)),
+    ("sliced-epilogue-2", dict(epi_sub=2)),
+    ("sliced-epilogue-4", dict(epi_sub=4, block_h=64)),
+    ("pointer-epilogue", dict(epi_tma=False)),
+]
+
+
+@pytest.mark.parametrize("split", (0, 2), ids=("plain", "split"))
+@pytest.mark.parametrize("mode", MODES)
+def test_dweight_launch_shapes_agree(mode, split):
+    """Every launch shape of lce_dweight_kernel (persistent or one program a tile, fused loops, the epilogue whole
+    or in 2 or 4 column slices, TMA or pointer epilogue) computes the same numbers bit for bit: the K order is the
+    same, only which program owns a tile and how the tile is written differ. Ragged V and H (tail tiles and
+    slices past the edge); the result against the fp64 product (plain: g applied, one rounding to fp16; split:
+    the sum of the product and a prior fp32 sum, exact to fp32 order)."""
+    gen = torch.Generator().manual_seed(11)
+    N, V, H = 37, 72, 88  # V % 16 and H % 32 != 0; 16-byte aligned rows: TMA under "always"
+    dl = torch.randn((N, V), generator=gen).half()
+    h = torch.randn((N, H), generator=gen).half()
+    g = torch.tensor([0.37])
+    prior = torch.randn((V, H), generator=gen)
+    prod = dl.double().t() @ h.double()
+    results = []
+    for _, change in _DW_SHAPES:
+        tiles = sft.dweight_tiles(H, bool(split))._replace(**change)
+        out = torch.full((V, H), float("nan"), dtype=torch.float16)  # poisoned: every element must be written
+        if split:
+            bits = prior.view(torch.int32)
+            out.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+            lo = bits.to(torch.int16)
+            sft._dweight(dl, h, g, out, mode, lo=lo, accumulate=True, tiles=tiles)
+            res = ((out.view(torch.int16).to(torch.int32) << 16) | (lo.to(torch.int32) & 0xFFFF)).view(torch.float32)
+        else:
+            sft._dweight(dl, h, g, out, mode, tiles=tiles)
+            res = out
+        assert torch.isfinite(res).all()
+        use = tma.last_decision(DW).use
+        assert use["dlogits"] == use["hidden"] == (mode == "always")
+        assert use.get("dweight", False) == (mode == "always" and tiles.epi_tma)
+        results.append(res)
+    for (name, _), res in zip(_DW_SHAPES[1:], results[1:]):
+        assert torch.equal(res, results[0]), name
+    if split:
+        assert_close(results[0].double(), prior.double() + prod, 1e-6, "split sum")
+    else:
+        assert_close(results[0].double(), (prod * 0.37).half().double(), 1e-3, "d_weight")

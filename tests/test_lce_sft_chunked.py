@@ -279,12 +279,14 @@ def test_chunked_custom_ops_opcheck(need, dtype, bias):
     torch.library.opcheck(lce_sft_chunked_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("epi_tma", (False, True), ids=("pointer-epilogue", "tma-epilogue"))
 @pytest.mark.parametrize("mode", MODES)
-def test_split_fp32_sum_is_exact(mode):
+def test_split_fp32_sum_is_exact(mode, epi_tma):
     """The 16-bit inputs' d_weight sum: lce_dweight_kernel's SPLIT launches keep each fp32 number as two int16
     halves; three chunks' products summed that way equal the fp32 sum of the three fp32 products (to fp32 summation
     order within each product), and the finalize kernel turns halves back into those fp32 numbers bit for bit
-    (g = 1, fp32 out) or applies g with one rounding to fp16."""
+    (g = 1, fp32 out) or applies g with one rounding to fp16. The shipped launch shape (persistent programs, the
+    epilogue in slices through pointers) and one with a TMA epilogue (one program a tile, whole-tile boxes)."""
     gen = torch.Generator().manual_seed(3)
     N, V, H = 37, 64, 48  # 16-byte aligned rows: TMA loads under "always"
     dl = torch.randn((N, V), generator=gen).half()
@@ -293,11 +295,17 @@ def test_split_fp32_sum_is_exact(mode):
     lo = torch.empty((V, H), dtype=torch.int16)
     one = torch.ones(1)
     want = torch.zeros((V, H))
+    tiles = sft.dweight_tiles(H, True)
+    if epi_tma:
+        tiles = tiles._replace(epi_sub=1, persistent=False, flatten=False, epi_tma=True)
     for i, rows in enumerate((slice(0, 16), slice(16, 32), slice(32, 37))):
-        sft._dweight(dl[rows], h[rows], one, hi, mode, lo=lo, accumulate=i > 0)
+        sft._dweight(dl[rows], h[rows], one, hi, mode, lo=lo, accumulate=i > 0, tiles=tiles)
         want += dl[rows].float().t() @ h[rows].float()
     dec = tma.last_decision("lce.sft_dweight")
-    assert dec.use["dweight"] == dec.use["dweight_lo"] == (mode == "always")  # the split epilogue on the call's path
+    if epi_tma:
+        assert dec.use["dweight"] == dec.use["dweight_lo"] == (mode == "always")  # the epilogue on the call's path
+    else:
+        assert "dweight" not in dec.use  # pointer loads and stores in the epilogue whatever the mode
     x = sft._finalize_split(hi, lo, torch.ones(()), torch.empty((V, H)))
     assert_close(x, want, 1e-6, "split sum")
     bits = x.view(torch.int32)

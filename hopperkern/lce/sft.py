@@ -67,7 +67,7 @@ from .._host import cdiv
 from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
 from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel, lce_split_finalize_kernel
-from .launch import LceOptions, _acc_mm_f32, fast_mm_f32, lce_forward, pick_config
+from .launch import LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
            "balanced_chunk", "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
@@ -350,21 +350,28 @@ class DwTiles(NamedTuple):
     epi_tma: bool = True
 
 
-# lce_dweight_kernel's tiles: 128 x 256 x 64 with a 3-stage pipeline (144 KB of shared memory on sm_90, no
-# spills), 256 x 128 where H is no multiple of 256 (no half-empty hidden tile). Measured on the H200 (bf16, one
-# run), time / cuBLAS's bf16 d(logits)^T @ h: 1.01-1.10 at H = 4096, 3584 and 2304; 1.26 at H = 896 with
-# 256 x 128 (1.42 with 128 x 256).
-DW_TILES = DwTiles(128, 256, 64, 8, 8, 3)
-DW_TILES_NARROW = DwTiles(256, 128, 64, 8, 8, 3)
-# The chunked variant's split launches (the sum held so far read and written in the epilogue): the same tiles,
-# the epilogue in four column slices, so that a slice's halves and the fp32 sum are live one slice at a time
-# (the whole 128 x 256 tile at once spills 660 bytes per thread: benchmarks/compile_lce_sm90.py).
-DW_SPLIT_TILES = DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4)
-DW_SPLIT_TILES_NARROW = DwTiles(256, 128, 64, 8, 8, 3, epi_sub=4)
+# lce_dweight_kernel's launch shapes: 128 x 256 x 64 tiles with a 3-stage pipeline, 256 x 128 where H is no
+# multiple of 256 (no half-empty hidden tile); one persistent program per SM with the tile and K loops fused, so
+# that the next tile's first operand loads are issued under this tile's epilogue. Measured on the H200 (bf16, one
+# run, benchmarks/bench_dweight.py), time / cuBLAS's bf16 d(logits)^T @ h: 0.97 at 128256 x 4096 x 8192 tokens,
+# 0.95 at 152064 x 3584 x 1937, 0.99 at 151936 x 896 x 2169 (256 x 128); one program a tile took 1.02, 1.19 and
+# 1.15 there.
+DW_TILES = DwTiles(128, 256, 64, 8, 8, 3, persistent=True, flatten=True)
+DW_TILES_NARROW = DwTiles(256, 128, 64, 8, 8, 3, persistent=True, flatten=True)
+# The chunked variant's split launches (the fp32 sum held so far read and written in the epilogue): the same tiles
+# and loop, the epilogue in four column slices through pointer loads and stores. A slice's halves and its part of
+# the sum are live one slice at a time (the whole 128 x 256 tile at once spills 660 bytes per thread:
+# benchmarks/compile_lce_sm90.py). Same run, time / cuBLAS's addmm of the same product into an fp32 C (the same
+# bytes): 1.04, 1.07 and 1.08 at the chunks "auto" runs at 32768 x 4096 x 128256, 16384 x 3584 x 152064 and
+# 8192 x 2304 x 256000 (5504, 4096 and 2816 tokens); one program a tile with the whole tile's epilogue took 1.08,
+# 1.15 and 1.28; TMA loads and stores in the sliced epilogue 1.08 to 1.15 (each slice waits for its loads).
+DW_SPLIT_TILES = DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4, persistent=True, flatten=True, epi_tma=False)
+DW_SPLIT_TILES_NARROW = DwTiles(256, 128, 64, 8, 8, 3, epi_sub=4, persistent=True, flatten=True, epi_tma=False)
 # Under the interpreter: small tiles, and the persistent loop and sliced epilogue over a few programs, so that
-# CPU tests walk every branch the GPU tiles take.
-_DW_TILES_INTERPRETED = DwTiles(16, 32, 16, 4, 4, 1)
-_DW_SPLIT_TILES_INTERPRETED = DwTiles(16, 32, 16, 4, 4, 1, epi_sub=2, persistent=True)
+# CPU tests walk the branches the GPU shapes take (TMA epilogues: the tests pass tiles of their own).
+_DW_TILES_INTERPRETED = DwTiles(16, 32, 16, 4, 4, 1, persistent=True, flatten=True)
+_DW_SPLIT_TILES_INTERPRETED = DwTiles(16, 32, 16, 4, 4, 1, epi_sub=2, persistent=True, flatten=True,
+                                      epi_tma=False)
 _DW_PROGRAMS_INTERPRETED = 3
 _DW_OP = "lce.sft_dweight"  # its launch's name in tma.last_decision
 
@@ -401,7 +408,7 @@ def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: tor
     elif _tma.interpreter_active():
         programs = min(tiles_total, _DW_PROGRAMS_INTERPRETED)
     else:
-        programs = min(tiles_total, _tma.capability(d_w.device).sm_count)
+        programs = min(tiles_total, _sm_count(d_w.device))
     lce_dweight_kernel[(programs or tiles_total,)](
         dl, hidden2d, g, out, out if lo is None else lo, N, V, H, dl.stride(0), hidden2d.stride(0),
         hidden2d.stride(1), d_w.stride(0),
