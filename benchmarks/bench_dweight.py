@@ -15,7 +15,8 @@ timed. Times are CUDA-event medians of back-to-back launches in rotated rounds a
 (:func:`hopperkern.tune.timing.pick_fastest`'s method), each as a ratio to the reference timed in the same rounds.
 
 Step rows (``part=step``): ``linear_cross_entropy(..., reduction="sum", sft_path="chunked")`` forward + backward
-at the large shapes with ``sft.DW_SPLIT_TILES`` set to each split shape in turn, interleaved with the 3G floor
+at the large shapes with ``sft.DW_SPLIT_TILES`` set to each split shape in turn, and ``sft_path="3pass"`` at
+8192 and ~2k tokens with ``sft.DW_TILES`` one program a tile and persistent, interleaved with the 3G floor
 (``h @ w.T`` + ``d @ w`` + ``d.T @ h`` in cuBLAS) in the same rounds; ratio = time / 3G.
 """
 
@@ -47,7 +48,7 @@ SPLIT_SHAPES = {
     "128x128 s4 sub2 tma pers flat": DwTiles(128, 128, 64, 8, 8, 4, epi_sub=2, persistent=True, flatten=True),
 }
 PLAIN_SHAPES = {
-    "whole tma": None,  # the shipped DW_TILES / DW_TILES_NARROW
+    "whole tma": None,  # DW_TILES / DW_TILES_NARROW's tiles, one program a tile
     "sub2 tma": "sub2",
     "pers flat": "pf",
     "sub2 pers flat": "sub2pf",
@@ -55,13 +56,19 @@ PLAIN_SHAPES = {
 # (V, H, N): the chunk sizes "auto" runs at the three large shapes, and the 3-pass path's full batches.
 SPLIT_CASES = [(128256, 4096, 5504), (152064, 3584, 4096), (256000, 2304, 2816)]
 PLAIN_CASES = [(128256, 4096, 8192), (152064, 3584, 1937), (151936, 896, 2169)]
-STEP_CASES = [(32768, 4096, 128256), (16384, 3584, 152064), (8192, 2304, 256000)]
+STEP_CASES = [(32768, 4096, 128256), (16384, 3584, 152064), (8192, 2304, 256000)]  # (N, H, V), chunked
+STEP_CASES_3PASS = [(8192, 4096, 128256), (1937, 3584, 152064), (2169, 896, 151936)]
+# The 3-pass step's d_weight launch shapes: one program a tile, and the shipped persistent shapes.
+STEP_3PASS = {
+    "one program a tile": lambda H: _plain_tiles(H, None)._replace(persistent=False, flatten=False),
+    "persistent flattened": lambda H: _plain_tiles(H, None),
+}
 
 
 def _plain_tiles(H: int, how):
     base = W if H % W.block_h == 0 else N_
     if how is None:
-        return base
+        return base._replace(epi_sub=1, persistent=False, flatten=False)
     return base._replace(epi_sub=2 if "sub2" in how else 1, persistent="pf" in how, flatten="pf" in how)
 
 
@@ -143,11 +150,14 @@ def _kernel_rows(kind, cases, shapes, rounds, reps, log):
     return rows
 
 
-def _step_rows(cases, shapes, rounds, reps, log):
+def _step_rows(path, cases, shapes, rounds, reps, log):
+    """SFT steps on ``path`` ("chunked": shapes set sft.DW_SPLIT_TILES*; "3pass": a function of H giving
+    sft.DW_TILES*), each d_weight equal to the first shape's bit for bit, timed with the 3G floor."""
     from hopperkern import lce
 
     rows = []
-    saved = (sft.DW_SPLIT_TILES, sft.DW_SPLIT_TILES_NARROW)
+    names = ("DW_SPLIT_TILES", "DW_SPLIT_TILES_NARROW") if path == "chunked" else ("DW_TILES", "DW_TILES_NARROW")
+    saved = tuple(getattr(sft, n) for n in names)
     try:
         for N, H, V in cases:
             g = torch.Generator(device="cuda").manual_seed(N + H)
@@ -159,10 +169,13 @@ def _step_rows(cases, shapes, rounds, reps, log):
             grads = {}
 
             def step(t, key):
+                t = t if path == "chunked" else t(H)
+
                 def run():
-                    sft.DW_SPLIT_TILES = sft.DW_SPLIT_TILES_NARROW = t
+                    for n in names:
+                        setattr(sft, n, t)
                     h.grad = w.grad = None
-                    lce.linear_cross_entropy(h, w, y, reduction="sum", sft_path="chunked").backward()
+                    lce.linear_cross_entropy(h, w, y, reduction="sum", sft_path=path).backward()
                     grads[key] = w.grad
                 return run
 
@@ -179,12 +192,13 @@ def _step_rows(cases, shapes, rounds, reps, log):
             floor = times["3G floor"]
             for name, ts in times.items():
                 ratio = statistics.median([a / b for a, b in zip(ts, floor)])
-                rows.append(dict(part="step", kind="chunked", V=V, H=H, N=N, variant=name,
+                rows.append(dict(part="step", kind=path, V=V, H=H, N=N, variant=name,
                                  time_ms=statistics.median(ts), ratio=ratio, ratio_to="3G floor"))
-                log(f"  step {N}x{H}x{V} {name:32s} {statistics.median(ts):8.2f} ms  {ratio:.3f} x 3G")
+                log(f"  step {path} {N}x{H}x{V} {name:32s} {statistics.median(ts):8.2f} ms  {ratio:.3f} x 3G")
             torch.cuda.empty_cache()
     finally:
-        sft.DW_SPLIT_TILES, sft.DW_SPLIT_TILES_NARROW = saved
+        for n, t in zip(names, saved):
+            setattr(sft, n, t)
     return rows
 
 
@@ -192,7 +206,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="one case of each part, fewer rounds")
-    ap.add_argument("--step-shapes", default="128x256 whole ptr,128x256 sub4 tma,128x256 sub4 tma pers flat",
+    ap.add_argument("--step-shapes", default="128x256 whole ptr,128x256 sub4 ptr pers flat",
                     help="comma-separated SPLIT_SHAPES names for the step rows")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -203,7 +217,8 @@ def main(argv=None) -> int:
     rows = _kernel_rows("split", SPLIT_CASES[sl], SPLIT_SHAPES, rounds, reps, print)
     rows += _kernel_rows("plain", PLAIN_CASES[sl], PLAIN_SHAPES, rounds, reps, print)
     step_shapes = {n: SPLIT_SHAPES[n] for n in args.step_shapes.split(",") if n}
-    rows += _step_rows(STEP_CASES[sl], step_shapes, 3, 3, print)
+    rows += _step_rows("chunked", STEP_CASES[sl], step_shapes, 3, 3, print)
+    rows += _step_rows("3pass", STEP_CASES_3PASS[sl], STEP_3PASS, 3, 5, print)
     if args.out is not None:
         meta = run_meta()
         args.out.mkdir(parents=True, exist_ok=True)
