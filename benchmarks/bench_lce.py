@@ -103,8 +103,9 @@ def _providers(compile_ok: bool):
 
 
 def _sft_path(provider, mode, N, H, V):
-    """Which gradient path a hopperkern provider's sft or rl row ran ("3pass" / "chunked" / "4pass"; "" for other
-    rows): a forced one, or what "auto" picks for bf16 at this shape (hopperkern.lce.sft.pick_path, rl.use_3pass)."""
+    """Which gradient path a hopperkern provider's sft or rl row ran ("3pass" / "chunked" / "mixed" / "4pass"; "" for
+    other rows): a forced one, or what "auto" picks for bf16 at this shape (hopperkern.lce.sft.pick_path,
+    rl.stored_rows)."""
     if mode == "fwd" or not provider.startswith("hopperkern"):
         return ""
     from hopperkern.lce import rl, sft
@@ -113,7 +114,12 @@ def _sft_path(provider, mode, N, H, V):
     path = forced if forced in ("3pass", "chunked", "4pass") else "auto"
     if mode == "sft":
         return sft.pick_path(path, N, V, H, 2)
-    return "3pass" if rl.use_3pass(path, N, V, H, torch.bfloat16) else "4pass"
+    return rl_path_name(rl.stored_rows(path, N, V, H, torch.bfloat16), N)
+
+
+def rl_path_name(stored: int, N: int) -> str:
+    """The RL gradient path of a call that keeps ``stored`` of its ``N`` tokens' exponentials."""
+    return "3pass" if stored >= N else ("mixed" if stored else "4pass")
 
 
 def _floors(h, w, reps):

@@ -438,3 +438,72 @@ def test_bf16_rl_3pass_narrow_tiles(monkeypatch):
     shape = SFT_SHAPES[0].values[0]
     ups = [upstream((shape[0],), seed=2, device=DEV), upstream((shape[0],), seed=3, device=DEV)]
     _rl_paths_no_worse(_inputs(shape), ups, "always")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mixed path of log-probs and entropies: the first rl.stored_rows tokens on the 3-pass path, the rest recomputed
+
+
+def _mixed_run_path(monkeypatch, mode, S):
+    from hopperkern.lce import rl
+
+    def run_path(inp, ups, path):
+        if path != "mixed":
+            with expect_path(mode, sft=False, rl=path == "3pass"):
+                return run(call(lce.linear_logprobs_entropy, grad_path=path, temperature=0.7, tma=mode), inp, ups)
+        with monkeypatch.context() as m:
+            m.setattr(rl, "stored_rows", lambda grad_path, N, V, H, dtype: S)
+            with expect_path(mode, rl=True, backward=False):
+                return run(call(lce.linear_logprobs_entropy, temperature=0.7, tma=mode), inp, ups)
+
+    return run_path
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("shape", SFT_SHAPES)
+def test_bf16_rl_mixed_path(shape, mode, monkeypatch):
+    """bf16 at real sizes with 1024 tokens stored (odd N: the 4-pass part's rows start mid-tensor) and the rest
+    recomputed: within 2x torch's bf16 error of fp64, and the 4-pass path's grads within a few bf16 roundings."""
+    inp = _inputs(shape)
+    ups = [upstream((shape[0],), seed=2, device=DEV), upstream((shape[0],), seed=3, device=DEV)]
+    want = run(call(ref.linear_logprobs_entropy, temperature=0.7), inp, ups, dtype=torch.float64)
+    base = run(call(torch_lowp_logprobs_entropy, temperature=0.7), inp, ups)
+    run_path = _mixed_run_path(monkeypatch, mode, 1024)
+    _paths_no_worse(lambda p: run_path(inp, ups, p), ("logprob", "entropy"), want, base, 5e-2, 1e-5,
+                    paths=("mixed", "4pass"))
+
+
+def test_bf16_rl_mixed_path_confident(monkeypatch):
+    """Confident bf16 batches with loss-masked upstream grads, half the tokens stored."""
+    shape = CONFIDENT_SHAPES[1].values[0]
+    inp = _confident_inputs(shape, temperature=0.7)
+    mask = inp.kept.float()
+    ups = [upstream((shape[0],), seed=2, device=DEV) * mask, upstream((shape[0],), seed=3, device=DEV) * mask]
+    want = run(call(ref.linear_logprobs_entropy, temperature=0.7), inp, ups, dtype=torch.float64)
+    base = run(call(torch_lowp_logprobs_entropy, temperature=0.7), inp, ups)
+    run_path = _mixed_run_path(monkeypatch, "always", shape[0] // 2)
+    _paths_no_worse(lambda p: run_path(inp, ups, p), ("logprob", "entropy"), want, base, CONFIDENT_BASELINE_MAX,
+                    CONFIDENT_LOSS_ATOL, paths=("mixed", "4pass"))
+
+
+def test_rl_mixed_memory_within_its_budget():
+    """"auto" at 32768 x 4096 x 128256 takes the mixed path (the whole batch's exponentials, 7.8 GiB, are over the
+    budget) and stays within V x H x 4 + 512 MiB of extra memory (plus the bf16 grads)."""
+    from hopperkern.lce import rl, sft
+
+    N, V, H = 32768, 128256, 4096
+    S = rl.stored_rows("auto", N, V, H, torch.bfloat16)
+    assert 0 < S < N
+    inp = make_inputs((N, V, H), dtype=torch.bfloat16, device=DEV)
+    h, w = inp.hidden.detach().requires_grad_(), inp.weight.detach().requires_grad_()
+    g = upstream((N,), device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with expect_path("auto", rl=True, backward=False):
+        lp, ent = lce.linear_logprobs_entropy(h, w, inp.labels)
+        torch.autograd.backward((lp, ent), (g, g))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    budget = sft.budget_bytes(V, H) + (N * H + V * H) * 2 + 32 * 2**20
+    assert extra <= budget, f"mixed peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"

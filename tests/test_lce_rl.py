@@ -2,6 +2,7 @@
 4-pass path: numerics on both memory paths, the path choice, autograd uses (gradient accumulation, checkpointing,
 a second backward, torch.compile) and its custom ops. Shapes and helpers are test_lce.py's (interpreter-sized)."""
 
+import contextlib
 import re
 
 import pytest
@@ -13,6 +14,7 @@ from test_lce import (
     _BF16_OK,
     CONFIDENT,
     CONFIDENT_LOSS_ATOL,
+    BWD,
     FWD,
     LAYOUTS,
     MODES,
@@ -396,7 +398,7 @@ def test_rl_custom_ops_opcheck():
     """torch.library.opcheck: schema, autograd registration and fake kernels of both ops agree with the real
     ones (the backward's in-place write of e declared)."""
     inp = make_inputs((5, 20, 16))
-    opts = dict(ignore_index=-100, temperature=0.7, tma="never", check=True)
+    opts = dict(ignore_index=-100, temperature=0.7, tma="never", check=True, stored=-1)
     fwd = _op_args("lce_rl_forward", hidden=inp.hidden.clone().requires_grad_(),
                    weight=inp.weight.clone().requires_grad_(), labels=inp.labels, **opts)
     torch.library.opcheck(lce_rl_forward_op, fwd, test_utils=("test_schema", "test_autograd_registration",
@@ -408,3 +410,169 @@ def test_rl_custom_ops_opcheck():
                    temperature=0.7, tma="never", need_hidden_grad=True, need_weight_grad=True)
     torch.library.opcheck(lce_rl_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(lce_rl_backward_functional_op, bwd, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mixed path: the first S tokens keep their exponentials, the others recompute their logits
+
+
+@contextlib.contextmanager
+def expect_mixed(mode):
+    """The block ran the mixed path on memory path ``mode``: the forward, the 3-pass d(logits) pass over the kept
+    rows and the 4-pass backward over the others were each launched, with ``mode``'s decisions."""
+    ops = (FWD, RL, BWD)
+    before = {op: tma.decision_count(op) for op in ops}
+    yield
+    for op in ops:
+        assert tma.decision_count(op) > before[op], f"{op} was not launched"
+        assert tma.last_decision(op).mode == mode, op
+    assert dict(tma.last_decision(RL).use) == {"dlogits": mode == "always"}
+    assert all(v == (mode != "never") for v in tma.last_decision(BWD).use.values())
+
+
+def _stored(monkeypatch, S):
+    """Make "auto" keep the exponentials of the first S tokens (the budget rule itself: test_stored_rows_rule)."""
+    monkeypatch.setattr(rl, "stored_rows", lambda grad_path, N, V, H, dtype: S)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("S", [1, 16, SHAPE[0] - 1], ids=["one-row", "one-block", "all-but-one"])
+@pytest.mark.parametrize("grads_on", GRADS_ON)
+def test_mixed_fp32_matches_reference_and_4pass(grads_on, S, mode, monkeypatch):
+    """fp32: with the first S tokens on the 3-pass path and the rest on the 4-pass path, log-probs, entropies,
+    d_hidden and d_weight match fp64 to ~1e-5 and the 4-pass path's to fp32 summation order (d_weight: one fp32
+    sum over both token sets per entry); a single stored row, a row-block boundary and all but one row."""
+    inp, ups = make_inputs(SHAPE, ignore=0.3), _ups(grads_on)
+    _stored(monkeypatch, S)
+    with expect_mixed(mode):
+        (lp, ent), grads = check_fp32(mode, _lpe(mode), REF, inp, ups, path=dict(rl=True, backward=False))
+    (lp4, ent4), grads4 = run(_lpe(mode, **FOUR), inp, ups)
+    assert_close(lp, lp4, SAME_ORDER_RTOL, "logprob")
+    assert_close(ent, ent4, SAME_ORDER_RTOL, "entropy")
+    check_grads(grads[:2], grads4[:2], SAME_ORDER_RTOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_fp32_confident(mode, monkeypatch):
+    """Confident predictions on both parts of the mixed path: as close to fp64 as the 4-pass path (within 25 %)."""
+    inp = make_inputs(SHAPE, ignore=0.2, confident=CONFIDENT, temperature=0.7)
+    mask = inp.kept.float()
+    ups = [u * mask for u in _ups("both")]
+    _stored(monkeypatch, 16)
+    with expect_mixed(mode):
+        outs, grads = run(_lpe(mode), inp, ups)
+    outs4, grads4 = run(_lpe(mode, **FOUR), inp, ups)
+    _, want = run(REF, inp, ups, dtype=torch.float64)
+    for o, o4 in zip(outs, outs4):
+        assert_close(o, o4, SAME_ORDER_RTOL, "output")
+    for name, g, g4, w in zip(("d_hidden", "d_weight"), grads, grads4, want):
+        e3, e4 = rel_err(g, w), rel_err(g4, w)
+        assert e4 < 1e-3, f"{name}: the 4-pass path's error {e4:.2e} is no baseline"
+        assert e3 <= 1.25 * e4 + 1e-7, f"{name}: mixed error {e3:.2e} vs the 4-pass path's {e4:.2e}"
+
+
+@pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_bf16_no_worse_than_torch(mode, monkeypatch):
+    """bf16 (conftest's interpreter patch), confident predictions: within 2x plain PyTorch's bf16 error of fp64."""
+    inp = make_inputs(SHAPE, torch.bfloat16, ignore=0.2, confident=CONFIDENT, temperature=0.7)
+    ups = [u * inp.kept.float() for u in _ups("both")]
+    _stored(monkeypatch, 16)
+    with expect_mixed(mode):
+        check_no_worse(mode, _lpe(mode), REF, BASE, inp, ups, ("logprob", "entropy"), out_atol=CONFIDENT_LOSS_ATOL,
+                       path=dict(rl=True, backward=False))
+
+
+@pytest.mark.parametrize("need", ["hidden", "weight"])
+def test_mixed_one_gradient(need, monkeypatch):
+    """Only d_hidden or only d_weight wanted (a frozen head, frozen activations): the mixed path computes that one
+    as the 4-pass path does."""
+    inp = make_inputs(SMALL, ignore=0.2)
+    ups = _ups("both", SMALL[0])
+    requires = (need == "hidden", need == "weight", False)
+    _stored(monkeypatch, 7)
+    _, grads = run(_lpe("never"), inp, ups, requires=requires)
+    _, grads4 = run(_lpe("never", **FOUR), inp, ups, requires=requires)
+    for g, g4, r in zip(grads[:2], grads4[:2], requires):
+        assert (g is None) is (not r)
+        if r:
+            assert_close(g, g4, SAME_ORDER_RTOL)
+
+
+def test_mixed_accumulation_and_second_backward(monkeypatch):
+    """Two mixed micro-batches accumulate into .grad as one 4-pass batch does; the backward consumes what its
+    forward kept: a second backward through a retained graph raises autograd's in-place error."""
+    inp = make_inputs(SHAPE, ignore=0.3)
+    g_lp, g_ent = _ups("both")
+    _stored(monkeypatch, 5)
+    h, w = _leaves(inp)
+    for rows in (slice(0, 20), slice(20, None)):
+        lp, ent = lce.linear_logprobs_entropy(h[rows], w, inp.labels[rows], tma="never")
+        ((lp * g_lp[rows]).sum() + (ent * g_ent[rows]).sum()).backward()
+    h4, w4 = _leaves(inp)
+    lp, ent = lce.linear_logprobs_entropy(h4, w4, inp.labels, tma="never", **FOUR)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    check_grads([h.grad, w.grad], [h4.grad, w4.grad], SAME_ORDER_RTOL)
+    lp, _ = lce.linear_logprobs_entropy(h, w, inp.labels, tma="never")
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()
+
+
+def test_mixed_compiled(monkeypatch):
+    """torch.compile(fullgraph=True) traces the mixed path through the custom ops (the forward op's ``stored``
+    argument sizes its fake outputs); gradients equal eager's, and a second backward through the retained graph
+    equals the first (the traced backward writes d(logits) to a buffer of its own)."""
+    torch._dynamo.reset()
+    _stored(monkeypatch, 7)
+
+    def step(x, w, labels):
+        return lce.linear_logprobs_entropy(torch.tanh(x) * 3.0, w, labels, temperature=0.7, tma="never")
+
+    inp = make_inputs(SMALL, ignore=0.2)
+    h, w = _leaves(inp)
+    g_lp, g_ent = _ups("both", SMALL[0])
+    lp, ent = step(h, w, inp.labels)
+    want = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent))
+    try:
+        with torch._functorch.config.patch(donated_buffer=False), expect_mixed("never"):
+            lp, ent = torch.compile(step, fullgraph=True, backend="inductor")(h, w, inp.labels)
+            first = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent), retain_graph=True)
+            second = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent))
+    finally:
+        torch._dynamo.reset()
+    check_grads(first, want, 1e-6)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_mixed_forward_op_opcheck():
+    """opcheck of the forward op keeping 2 of 5 tokens' exponentials: the fake outputs' shapes ([2, ...] e and mt)
+    agree with the real ones."""
+    inp = make_inputs((5, 20, 16))
+    fwd = _op_args("lce_rl_forward", hidden=inp.hidden.clone().requires_grad_(),
+                   weight=inp.weight.clone().requires_grad_(), labels=inp.labels, ignore_index=-100, temperature=0.7,
+                   tma="never", check=True, stored=2)
+    torch.library.opcheck(lce_rl_forward_op, fwd, test_utils=("test_schema", "test_autograd_registration",
+                                                              "test_faketensor"))
+    out = lce_rl_forward_op(*fwd)
+    assert out[4].shape[0] == out[5].shape[0] == 2 and out[1].shape == (5,)
+
+
+@pytest.mark.parametrize("N, H, V", [(32768, 4096, 128256), (16384, 3584, 152064), (8192, 2304, 256000),
+                                     (65536, 4096, 128256)])
+def test_stored_rows_rule(N, H, V):
+    """Where the whole batch's exponentials exceed the budget, "auto" keeps as many leading row blocks of 128 as fit
+    it beside the 4-pass part's memory (one block more would not), at least MIN_STORED_ROWS and fewer than N;
+    "3pass" keeps all, "4pass", fp16 and sizes below the thresholds none."""
+    bf16 = torch.bfloat16
+    S = rl.stored_rows("auto", N, V, H, bf16)
+    assert not rl.use_3pass("auto", N, V, H, bf16)
+    assert S % rl.MIXED_ROW_STEP == 0 and rl.MIN_STORED_ROWS <= S < N
+    budget = sft.budget_bytes(V, H)
+    assert rl.mixed_extra_bytes(N, S, V, H, 2) <= budget < rl.mixed_extra_bytes(N, S + rl.MIXED_ROW_STEP, V, H, 2)
+    assert rl.stored_rows("3pass", N, V, H, bf16) == N
+    assert rl.stored_rows("4pass", N, V, H, bf16) == 0
+    assert rl.stored_rows("auto", N, V, H, torch.float16) == 0
+    assert rl.stored_rows("auto", N, V, rl.MIN_HIDDEN_3PASS - 1, bf16) == 0
+    assert rl.stored_rows("auto", 8192, 128256, 4096, bf16) == 8192  # the whole batch fits: the 3-pass path

@@ -575,8 +575,8 @@ def _halves(x, BLOCK_V: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _dweight_tile(tile, d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, stride_dn, stride_hn, stride_hk, stride_on,
-                  BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+def _dweight_tile(tile, d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, stride_dn, stride_hn, stride_hk,
+                  stride_on, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
                   D_TMA: tl.constexpr, H_TMA: tl.constexpr, O_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   SPLIT: tl.constexpr, EPI_SUB: tl.constexpr):
     """One [BLOCK_V, BLOCK_H] tile of lce_dweight_kernel: the K loop over all N tokens, then its epilogue in
@@ -591,26 +591,30 @@ def _dweight_tile(tile, d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, str
     v0 = vb * BLOCK_V
     h0 = hb * BLOCK_H
     if EPI_SUB == 1:
-        _dweight_epilogue(acc, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA, SPLIT)
+        _dweight_epilogue(acc, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA,
+                          SPLIT)
     else:
         # Column slices: the sum held so far and its halves are live for one slice at a time (no spills at
         # 128 x 256 with SPLIT 2, where the whole tile spills 660 bytes per thread).
         SUB: tl.constexpr = BLOCK_H // EPI_SUB
         a0, a1 = _halves(acc, BLOCK_V, BLOCK_H // 2)
         if EPI_SUB == 2:
-            _dweight_epilogue(a0, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, SUB, O_TMA, SPLIT)
-            _dweight_epilogue(a1, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + SUB, V, H, stride_on, BLOCK_V, SUB, O_TMA, SPLIT)
+            _dweight_epilogue(a0, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, SUB, O_TMA,
+                              SPLIT)
+            _dweight_epilogue(a1, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + SUB, V, H, stride_on, BLOCK_V, SUB,
+                              O_TMA, SPLIT)
         else:
             tl.static_assert(EPI_SUB == 4, "EPI_SUB is 1, 2 or 4")
             a00, a01 = _halves(a0, BLOCK_V, SUB)
-            _dweight_epilogue(a00, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, SUB, O_TMA, SPLIT)
-            _dweight_epilogue(a01, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + SUB, V, H, stride_on, BLOCK_V, SUB, O_TMA,
-                              SPLIT)
             a10, a11 = _halves(a1, BLOCK_V, SUB)
-            _dweight_epilogue(a10, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + 2 * SUB, V, H, stride_on, BLOCK_V, SUB, O_TMA,
+            _dweight_epilogue(a00, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, SUB, O_TMA,
                               SPLIT)
-            _dweight_epilogue(a11, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + 3 * SUB, V, H, stride_on, BLOCK_V, SUB, O_TMA,
-                              SPLIT)
+            _dweight_epilogue(a01, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + SUB, V, H, stride_on, BLOCK_V, SUB,
+                              O_TMA, SPLIT)
+            _dweight_epilogue(a10, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + 2 * SUB, V, H, stride_on, BLOCK_V, SUB,
+                              O_TMA, SPLIT)
+            _dweight_epilogue(a11, o_dst, l_dst, out_ptr, g_ptr, v0, h0 + 3 * SUB, V, H, stride_on, BLOCK_V, SUB,
+                              O_TMA, SPLIT)
 
 
 @triton.jit

@@ -224,9 +224,13 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     hold N x V each. "4pass": the backward recomputes the logits (extra memory O(N H) + 128 MiB; any number of
     backwards). "auto" (default) takes "3pass" for bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens (1536)
     and ``rl.MIN_HIDDEN_3PASS`` hidden units (2048) when N x V x itemsize plus scratch (``rl.extra_bytes``) is at
-    most V x H x 4 bytes + 512 MiB (``sft.budget_bytes``), else "4pass"; fp16 inputs (after autocast) and
-    ``process_group`` always take "4pass" ("3pass" raises TypeError and ValueError there). No-grad calls run the
-    plain forward either way. See :mod:`hopperkern.lce.rl`.
+    most V x H x 4 bytes + 512 MiB (``sft.budget_bytes``). Where the whole batch's exponentials exceed that but the
+    thresholds hold, "auto" takes the mixed path: the first ``rl.stored_rows(...)`` tokens (as many whole blocks of
+    128 as fit the same budget beside the 4-pass part's memory, ``rl.mixed_extra_bytes``; at least 1024) keep
+    their exponentials and the others recompute their logits, every d_weight entry still one fp32 sum over all
+    tokens, rounded once (its backward, too, consumes what was kept). Else "4pass". fp16 inputs (after autocast)
+    and ``process_group`` always take "4pass" ("3pass" raises TypeError and ValueError there). No-grad calls run
+    the plain forward either way. See :mod:`hopperkern.lce.rl`.
     """
     key = _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group,
                       grad_path)
@@ -242,10 +246,13 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     grad = _backward_follows(hidden, weight)
     hidden2d = _flat(hidden)
     check = sync_check("check_labels", check_labels, lab)
-    if grad and process_group is None and rl.use_3pass(grad_path, hidden2d.shape[0], weight.shape[0],
-                                                       weight.shape[1], hidden2d.dtype):
+    stored = 0
+    if grad and process_group is None:
+        stored = rl.stored_rows(grad_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.dtype)
+    if stored:
         _, logprob, entropy, _, _, _ = _eager_or_op(LceRlFunction, lce_rl_forward_op, hidden2d, weight, lab,
-                                                    ignore_index, float(temperature), tma, check)
+                                                    ignore_index, float(temperature), tma, check,
+                                                    -1 if stored >= hidden2d.shape[0] else stored)
     else:
         _, logprob, entropy, _ = _forward(process_group, grad, hidden2d, weight, lab, None, ignore_index, 0.0, 0.0,
                                           0.0, float(temperature), tma, True, check)

@@ -518,7 +518,7 @@ def _check_logprob(logprob, N: int) -> None:
 def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
                  opts: LceOptions, *, logprob=None, zlab=None, need_weight_grad: bool = True,
                  need_hidden_grad: bool = True, config: KernelConfig | None = None, vocab_total: int | None = None,
-                 fp32_hidden_grad: bool = False):
+                 fp32_hidden_grad: bool = False, extra_weight_grad: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the input dtype.
 
     ``lse``, ``entropy`` and ``logprob`` are the forward's fp32 [N] outputs (see :func:`lce_forward`); ``g_*``
@@ -544,6 +544,10 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     eps / V above; default ``weight.shape[0]``), labels are shard-local column ids, any negative id other than
     ``ignore_index`` meaning "held by another shard" (its token keeps every term but the label column's C), and
     ``fp32_hidden_grad`` returns d_hidden as the fp32 sum itself, to be summed across ranks before one rounding.
+
+    ``extra_weight_grad`` (the mixed RL path, :mod:`.rl`): ``(d2, h2)``, the d(logits) [S, V] (unit column
+    stride) and hidden rows [S, H] of other tokens, whose product d2^T @ h2 is added to d_weight: each vocab
+    slice's two GEMMs accumulate into one fp32 [slice, H] buffer, rounded once (extra memory: that buffer).
     """
     if not hidden2d.is_cuda:
         _tma.check_interpreter(hidden2d.dtype, "lce.backward")  # no launch the interpreter gets wrong
@@ -556,9 +560,13 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     if zlab is not None:
         warnings.warn("lce_backward: zlab is deprecated and ignored (the label's logit is logprob + lse)",
                       DeprecationWarning, stacklevel=2)
+    if extra_weight_grad is not None and (bias is not None or fp32_hidden_grad):
+        raise ValueError("lce_backward: extra_weight_grad is for the mixed RL path (no bias, no fp32 d_hidden)")
     if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
         d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
         d_w = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
+        if extra_weight_grad is not None and need_weight_grad:
+            torch.mm(extra_weight_grad[0].t(), extra_weight_grad[1], out=d_w)  # fp32 accumulation, one rounding
         return d_h, d_w, torch.zeros_like(bias) if bias is not None else None
     flags = (g_loss is not None, g_logprob is not None, g_entropy is not None, g_lse is not None)
     V_total = V if vocab_total is None else int(vocab_total)
@@ -583,6 +591,9 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     acc_h = torch.empty((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
     grads = [g if g is not None else lse for g in (g_loss, g_logprob, g_entropy, g_lse)]
     b_arg = bias if bias is not None else weight
+    acc_w = None
+    if extra_weight_grad is not None and need_weight_grad:
+        acc_w = torch.empty((plan.slices[0][1], H), dtype=torch.float32, device=dev)
     here = None if plan.interpreted else launch_state()  # device and stream, read once for every launch below
     for col_begin, ncols, dlogits, onehot in plan.slices:
         launch_at(dlogits, here, (hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf))
@@ -592,7 +603,14 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             launch_at(onehot, here, (labels1d, lse, entropy, *grads, logprob, dbuf))
         whole = ncols == V  # one slice: the whole tensors, no views to make
         dl = dbuf if whole and plan.ld == V else dbuf[:, :ncols]
-        if need_weight_grad:
+        if acc_w is not None:
+            # Both token sets' products in one fp32 sum per entry, then one rounding.
+            d2, h2 = extra_weight_grad
+            aw = acc_w[:ncols]
+            _acc_mm_f32(aw, dl.t(), hidden2d, beta=0, out_dtype_mm=plan.mm_out_dtype)
+            _acc_mm_f32(aw, d2[:, col_begin:col_begin + ncols].t(), h2, out_dtype_mm=plan.mm_out_dtype)
+            d_w[col_begin:col_begin + ncols].copy_(aw)
+        elif need_weight_grad:
             # One GEMM over all N tokens: fp32 accumulation inside cuBLAS, written once in the weight dtype.
             torch.mm(dl.t(), hidden2d, out=d_w if whole else d_w[col_begin:col_begin + ncols])
         if need_hidden_grad:

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from ..tma import launch_context
-from .launch import LceOptions, check_labels, lce_backward, lce_forward, pick_config
-from .rl import forward_config as rl_forward_config
+from .launch import LceOptions, check_labels, lce_backward, lce_forward
+from .rl import stored_config as rl_stored_config
 from .rl import lce_rl_backward, lce_rl_forward
 from .sft import lce_sft_backward, lce_sft_chunked_backward, lce_sft_chunked_forward, lce_sft_forward, padded_cols
 
@@ -386,28 +386,32 @@ def _rl_opts(ignore_index, temperature, tma) -> LceOptions:
 
 
 def lce_rl_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, temperature: float,
-                        tma: str, check: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        tma: str, check: bool,
+                        stored: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, logprob, entropy, lse, e, mt): the per-token fp32 outputs and the exponentials and per-tile maxima
-    the backward forms d(logits) from; see :func:`rl.lce_rl_forward`. ``e`` and ``mt`` are for the backward op
-    only: a compiled region must not return them (the public functions drop them)."""
+    the backward forms d(logits) from, of the first ``stored`` tokens (-1: all; fewer: the mixed path, whose other
+    tokens' backward recomputes their logits); see :func:`rl.lce_rl_forward`. ``e`` and ``mt`` are for the
+    backward op only: a compiled region must not return them (the public functions drop them)."""
     with launch_context(hidden, "hopperkern.lce"):
         if check:
             check_labels(labels, weight.shape[0], ignore_index)
-        return lce_rl_forward(hidden, weight, labels, _rl_opts(ignore_index, temperature, tma))
+        return lce_rl_forward(hidden, weight, labels, _rl_opts(ignore_index, temperature, tma),
+                              stored=None if stored < 0 else stored)
 
 
 lce_rl_forward_op = torch.library.custom_op("hopperkern::lce_rl_forward", mutates_args=())(lce_rl_forward_impl)
 
 
 @lce_rl_forward_op.register_fake
-def _(hidden, weight, labels, ignore_index, temperature, tma, check):
+def _(hidden, weight, labels, ignore_index, temperature, tma, check, stored=-1):
     n, (v, h) = hidden.shape[0], weight.shape
-    # The real call's config lookup (host only), so mt's width matches; it depends on N's token bucket, so a
-    # dynamic N specialises on it.
-    cfg = rl_forward_config(pick_config("forward", hidden.dtype, n, h, hidden.device), n)
+    s = n if stored < 0 else min(stored, n)
+    # The real call's config lookup (host only), so mt's width matches; it depends on the stored rows' token
+    # bucket, so a dynamic N specialises on it.
+    cfg = rl_stored_config(hidden.dtype, s, h, hidden.device)
     stats = tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(4))
-    return (*stats, hidden.new_empty((n, padded_cols(v))),
-            hidden.new_empty((n, (v + cfg.block_n - 1) // cfg.block_n), dtype=torch.float32))
+    return (*stats, hidden.new_empty((s, padded_cols(v))),
+            hidden.new_empty((s, (v + cfg.block_n - 1) // cfg.block_n), dtype=torch.float32))
 
 
 @torch.library.custom_op("hopperkern::lce_rl_backward", mutates_args=("e", "mt"))
@@ -468,7 +472,7 @@ def _rl_backward(ctx, g_loss, g_logprob, g_entropy, g_lse, _e, _mt):
     # Eager: in place (version-checked). Traced: into a buffer of its own, as functionalisation would write an
     # in-place update back over the saved tensors without the check.
     op = lce_rl_backward_functional_op if torch.compiler.is_compiling() else lce_rl_backward_op
-    return _rl_grads(ctx, op, g_loss, g_logprob, g_entropy, g_lse) + (None,) * 5
+    return _rl_grads(ctx, op, g_loss, g_logprob, g_entropy, g_lse) + (None,) * 6
 
 
 def _rl_grads(ctx, backward, g_loss, g_logprob, g_entropy, g_lse):
@@ -500,8 +504,8 @@ class LceRlFunction(torch.autograd.Function):
     directly, without the custom ops' per-call dispatch work. Traced calls use the ops."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, temperature, tma, check):
-        inputs = (hidden, weight, labels, ignore_index, temperature, tma, check)
+    def forward(ctx, hidden, weight, labels, ignore_index, temperature, tma, check, stored=-1):
+        inputs = (hidden, weight, labels, ignore_index, temperature, tma, check, stored)
         out = lce_rl_forward_impl(*inputs)
         _rl_setup_context(ctx, inputs, out)
         return out
@@ -509,4 +513,4 @@ class LceRlFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
     def backward(ctx, g_loss, g_logprob, g_entropy, g_lse, _e, _mt):
-        return _rl_grads(ctx, _rl_backward_eager, g_loss, g_logprob, g_entropy, g_lse) + (None,) * 5
+        return _rl_grads(ctx, _rl_backward_eager, g_loss, g_logprob, g_entropy, g_lse) + (None,) * 6

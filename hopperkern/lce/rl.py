@@ -36,12 +36,13 @@ from .._host import cdiv
 from .._validate import check_choice
 from ..tuning import KernelConfig
 from ._kernels import lce_exp_dlogits_kernel
-from .launch import LceOptions, lce_forward, pick_config
+from .launch import DLOGITS_BUDGET, LceOptions, _slice_cols, lce_backward, lce_forward, pick_config
 from . import sft as _sft
 from .sft import _FIXUP_POINTER, budget_bytes, lce_sft_backward, padded_cols
 
-__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_TOKENS_NARROW_TILES", "check_grad_path", "use_3pass", "extra_bytes",
-           "forward_config", "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
+__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_TOKENS_NARROW_TILES", "MIXED_ROW_STEP", "MIN_STORED_ROWS",
+           "check_grad_path", "use_3pass", "stored_rows", "extra_bytes", "mixed_extra_bytes", "forward_config",
+           "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
 
 GRAD_PATHS = ("auto", "3pass", "4pass")
 # "auto" takes the 3-pass path from this hidden size. It trades the backward's recomputed logits (2 N V H FLOPs)
@@ -57,6 +58,10 @@ MIN_HIDDEN_3PASS = 2048
 # 0.90 vs 0.94 at 8192 x 4096, 0.91 vs 0.94 at 16384 x 3584, 0.97 vs 1.01 at 8192 x 2304, level at 32768 x 4096,
 # but 0.85 vs 0.82 at 1937 x 3584: taken from this many tokens.
 MIN_TOKENS_NARROW_TILES = 4096
+# The mixed path (:func:`stored_rows`) stores whole row blocks of tokens, and at least this many (fewer would save
+# less than the second forward launch and the joined outputs cost).
+MIXED_ROW_STEP = 128
+MIN_STORED_ROWS = 1024
 _RL_OP = "lce.rl_dlogits"  # the in-place d(logits) launch's name in tma.last_decision
 # The in-place pass's tiles: as the SFT fix-up's (same bytes per logit), measured there on the H200.
 _BLOCKS, _BLOCKS_INTERPRETED = (32, 128), (16, 32)
@@ -77,9 +82,9 @@ def check_grad_path(grad_path, dtype: torch.dtype, *, sharded: bool = False) -> 
 
 
 def use_3pass(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> bool:
-    """Whether a differentiable call takes the 3-pass path: ``"3pass"`` for bf16 and fp32 inputs (fp16 is refused
-    first, :func:`check_grad_path`), ``"4pass"`` never, ``"auto"`` for bf16 and fp32 inputs from
-    ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS`` hidden units when :func:`extra_bytes` <=
+    """Whether a differentiable call takes the 3-pass path for all its tokens: ``"3pass"`` for bf16 and fp32
+    inputs (fp16 is refused first, :func:`check_grad_path`), ``"4pass"`` never, ``"auto"`` for bf16 and fp32
+    inputs from ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS`` hidden units when :func:`extra_bytes` <=
     :func:`.sft.budget_bytes`."""
     check_choice("grad_path", grad_path, GRAD_PATHS)
     if dtype == torch.float16 or grad_path == "4pass":
@@ -89,6 +94,37 @@ def use_3pass(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> boo
     if H < MIN_HIDDEN_3PASS:
         return False
     return N >= _sft.MIN_TOKENS_3PASS and extra_bytes(N, V, H, torch.finfo(dtype).bits // 8) <= budget_bytes(V, H)
+
+
+def stored_rows(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> int:
+    """How many leading tokens of a differentiable call keep their exponentials (0: the 4-pass path for all): N
+    where :func:`use_3pass` says so; under ``"auto"``, where the whole batch's exponentials exceed the budget but
+    the thresholds hold, the most rows (a multiple of ``MIXED_ROW_STEP``, at least ``MIN_STORED_ROWS``) whose
+    :func:`mixed_extra_bytes` fit :func:`.sft.budget_bytes`: those take the 3-pass path and the other tokens the
+    4-pass path (the mixed path); else 0."""
+    if use_3pass(grad_path, N, V, H, dtype):
+        return N
+    if grad_path != "auto" or dtype == torch.float16 or H < MIN_HIDDEN_3PASS or N < _sft.MIN_TOKENS_3PASS:
+        return 0
+    elem = torch.finfo(dtype).bits // 8
+    budget = budget_bytes(V, H)
+    per_row = padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4
+    rows = max(0, budget - mixed_extra_bytes(N, 0, V, H, elem)) // per_row // MIXED_ROW_STEP * MIXED_ROW_STEP
+    rows = min(rows, (N - 1) // MIXED_ROW_STEP * MIXED_ROW_STEP)
+    while rows >= MIN_STORED_ROWS and mixed_extra_bytes(N, rows, V, H, elem) > budget:
+        rows -= MIXED_ROW_STEP
+    return rows if rows >= MIN_STORED_ROWS else 0
+
+
+def mixed_extra_bytes(N: int, S: int, V: int, H: int, elem: int) -> int:
+    """Peak extra memory of the mixed path with ``S`` of ``N`` tokens stored, beyond inputs, outputs and
+    gradients: the kept exponentials and per-tile maxima of the S rows (the maxima counted twice, as in
+    :func:`extra_bytes`), plus the backward's largest fp32 d_hidden sum (N x H x 4 bounds both parts'), the 4-pass
+    part's d(logits) slice (``launch.DLOGITS_BUDGET``) and fp32 d_weight slice, and both parts' d_hidden in the
+    inputs' dtype before they are joined."""
+    cols = _slice_cols(max(1, N - S), V, 256, elem)
+    return (S * (padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4) + N * H * 4 + DLOGITS_BUDGET + cols * H * 4
+            + N * H * elem)
 
 
 def extra_bytes(N: int, V: int, H: int, elem: int) -> int:
@@ -119,23 +155,36 @@ def forward_block_v(V: int, num_tiles: int) -> int:
     return width
 
 
-def lce_rl_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, opts: LceOptions):
+def stored_config(dtype: torch.dtype, S: int, H: int, device) -> KernelConfig:
+    """The config of the forward that stores the exponentials of ``S`` tokens (its ``block_n`` is the width of
+    the per-tile maxima's tiles)."""
+    return forward_config(pick_config("forward", dtype, S, H, device), S)
+
+
+def lce_rl_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, opts: LceOptions,
+                   stored: int | None = None):
     """``(loss, logprob, entropy, lse, e, mt)``: the per-token fp32 outputs of :func:`.launch.lce_forward` (label
-    logit picked from the tiles, entropy computed) and what the backward keeps: ``e`` [N, padded_cols(V)] in the
-    inputs' dtype (columns >= V unused) and ``mt`` fp32 [N, cdiv(V, block_n)]. Inputs must be validated already."""
+    logit picked from the tiles, entropy computed) and what the backward keeps: ``e`` [S, padded_cols(V)] in the
+    inputs' dtype (columns >= V unused) and ``mt`` fp32 [S, cdiv(V, block_n)] for the first S = ``stored`` tokens
+    (default and at most N: all). With S < N (the mixed path) the other tokens' outputs come from a forward of
+    their own that stores nothing; their backward recomputes the logits. Inputs must be validated already."""
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")
     N, H = hidden2d.shape
     V = weight.shape[0]
+    S = N if stored is None else max(0, min(int(stored), N))
     dev = hidden2d.device
-    cfg = forward_config(pick_config("forward", hidden2d.dtype, N, H, dev), N)
-    e = torch.empty((N, padded_cols(V)), dtype=hidden2d.dtype, device=dev)
-    mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=dev)
+    cfg = stored_config(hidden2d.dtype, S, H, dev)
+    e = torch.empty((S, padded_cols(V)), dtype=hidden2d.dtype, device=dev)
+    mt = torch.empty((S, cdiv(V, cfg.block_n)), dtype=torch.float32, device=dev)
     if N == 0:
         f32 = dict(dtype=torch.float32, device=dev)
         return (*(torch.empty(0, **f32) for _ in range(4)), e, mt)
-    loss, logprob, entropy, lse = lce_forward(hidden2d, weight, labels1d, None, opts, need_entropy=True,
-                                              config=cfg, pick_label=True, e_out=(e, mt))
-    return loss, logprob, entropy, lse, e, mt
+    out = lce_forward(hidden2d[:S], weight, labels1d[:S], None, opts, need_entropy=True, config=cfg, pick_label=True,
+                      e_out=(e, mt)) if S else None
+    if S < N:
+        rest = lce_forward(hidden2d[S:], weight, labels1d[S:], None, opts, need_entropy=True, pick_label=True)
+        out = rest if out is None else tuple(torch.cat(pair) for pair in zip(out, rest))
+    return (*out, e, mt)
 
 
 def lce_rl_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, g_loss, g_logprob, g_entropy, g_lse,
@@ -154,6 +203,21 @@ def lce_rl_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, g_
         d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
         d_w = torch.zeros(weight.shape, dtype=dt, device=dev) if need_weight_grad else None
         return d_h, d_w
+    S = e.shape[0]
+    if S < N:
+        return _mixed_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, grads, opts,
+                               need_hidden_grad, need_weight_grad, in_place)
+    dl = _exp_dlogits(e, mt, labels1d, lse, entropy, logprob, grads, opts, V, in_place)
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    d_h, d_w, _ = lce_sft_backward(hidden2d, weight, None, dl, one, need_hidden_grad=need_hidden_grad,
+                                   need_weight_grad=need_weight_grad, tma=opts.tma)
+    return d_h, d_w
+
+
+def _exp_dlogits(e, mt, labels1d, lse, entropy, logprob, grads, opts: LceOptions, V: int, in_place: bool):
+    """d(logits) of the first e.shape[0] tokens from their kept exponentials (one ``lce_exp_dlogits_kernel``
+    launch), in ``e`` itself with ``in_place`` (``mt`` then NaN), else in a new buffer like ``e``."""
+    N = e.shape[0]
     bn, bv = _BLOCKS_INTERPRETED if _tma.interpreter_active() else _BLOCKS
     fwd_bv = forward_block_v(V, mt.shape[1])
     bv = min(bv, fwd_bv)
@@ -168,7 +232,26 @@ def lce_rl_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, g_
     if in_place:
         # mt has served: poisoned, so that a second use of the pair gives NaN gradients, never plausible ones.
         mt.fill_(float("nan"))
-    one = torch.ones((), dtype=torch.float32, device=dev)
-    d_h, d_w, _ = lce_sft_backward(hidden2d, weight, None, dl, one, need_hidden_grad=need_hidden_grad,
-                                   need_weight_grad=need_weight_grad, tma=opts.tma)
+    return dl
+
+
+def _mixed_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, grads, opts: LceOptions,
+                    need_hidden_grad: bool, need_weight_grad: bool, in_place: bool):
+    """The mixed path's backward: the first S = e.shape[0] tokens' d(logits) from their exponentials, their
+    d_hidden rows in one fp32 GEMM (:func:`.sft.lce_sft_backward`); the other tokens through the 4-pass backward
+    (:func:`.launch.lce_backward`), whose d_weight slice GEMMs also add the S tokens' products to the same fp32
+    sums, so every d_weight entry is one fp32 sum over all N tokens, rounded once."""
+    S, V = e.shape[0], weight.shape[0]
+    dl = _exp_dlogits(e, mt, labels1d, lse, entropy, logprob, grads, opts, V, in_place) if S else e
+    d_h1 = None
+    if need_hidden_grad and S:
+        one = torch.ones((), dtype=torch.float32, device=hidden2d.device)
+        d_h1, _, _ = lce_sft_backward(hidden2d[:S], weight, None, dl, one, need_hidden_grad=True,
+                                      need_weight_grad=False, tma=opts.tma)
+    rest = [g[S:] if g is not None else None for g in grads]
+    d_h2, d_w, _ = lce_backward(hidden2d[S:], weight, labels1d[S:], None, lse[S:], entropy[S:], *rest, opts,
+                                logprob=logprob[S:], need_weight_grad=need_weight_grad,
+                                need_hidden_grad=need_hidden_grad,
+                                extra_weight_grad=(dl[:, :V], hidden2d[:S]) if S and need_weight_grad else None)
+    d_h = (d_h2 if d_h1 is None else torch.cat((d_h1, d_h2))) if need_hidden_grad else None
     return d_h, d_w
