@@ -2,6 +2,7 @@
 run; then the chunked SFT step (forward + backward) with each split launch shape, against its 3G floor.
 
     python -m benchmarks.bench_dweight [--out DIR] [--quick]
+    python -m benchmarks.bench_dweight --plot-from benchmarks/results/dweight_NVIDIA_H200.csv
 
 Kernel rows (``part=kernel``), per case (V, H, N tokens of one launch):
 - ``split``: the chunked variant's accumulating launch (SPLIT 2): reads the fp32 sum held so far as int16 halves,
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_meta, time_cuda, write_csv
+from benchmarks.common import pyplot, redraw, run_label, run_meta, time_cuda, write_csv
 from hopperkern.lce import sft
 from hopperkern.lce.sft import DwTiles
 
@@ -202,13 +203,48 @@ def _step_rows(path, cases, shapes, rounds, reps, log):
     return rows
 
 
+def plot(rows, path) -> None:
+    """One panel per part and kind (split kernel, plain kernel, chunked step, 3-pass step): horizontal bars of
+    time / the row's reference per launch shape, one group per case; lower is better, 1.0 = the reference."""
+    plt = pyplot("bench_dweight")
+    if plt is None:
+        return
+    panels = []
+    for r in rows:
+        key = (r["part"], r["kind"])
+        if key not in panels:
+            panels.append(key)
+    counts = [sum((r["part"], r["kind"]) == key for r in rows) for key in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, sum(1.2 + 0.2 * n for n in counts)), squeeze=False,
+                             gridspec_kw=dict(height_ratios=[1.2 + 0.2 * n for n in counts]))
+    for ax, (part, kind) in zip(axes[:, 0], panels):
+        sel = [r for r in rows if (r["part"], r["kind"]) == (part, kind)]
+        labels = [f"{r['V']}x{r['H']}x{r['N']} {r['variant']}" if part == "kernel" else
+                  f"{r['N']}x{r['H']}x{r['V']} {r['variant']}" for r in sel]
+        ratios = [float(r["ratio"]) for r in sel]
+        ax.barh(range(len(sel)), ratios, color=["0.6" if r["variant"] == r["ratio_to"] else "tab:blue" for r in sel])
+        ax.set_yticks(range(len(sel)), labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xlim(0.8, max(1.5, max(ratios) + 0.05))
+        ax.set_xlabel(f"time / {sel[0]['ratio_to']} (same rounds)")
+        ax.set_title(f"{part}: {kind}", fontsize=9)
+    fig.suptitle(f"lce_dweight_kernel launch shapes, lower is better ({run_label(rows[0])})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="one case of each part, fewer rounds")
+    ap.add_argument("--plot-from", type=Path, default=None, help="redraw the plot of a stored CSV into --out")
     ap.add_argument("--step-shapes", default="128x256 whole ptr,128x256 sub4 ptr pers flat",
                     help="comma-separated SPLIT_SHAPES names for the step rows")
     args = ap.parse_args(argv)
+    if args.plot_from is not None:
+        return redraw(args.plot_from, args.out, "bench_dweight", plot)
     if not torch.cuda.is_available():
         print("bench_dweight needs a CUDA GPU")
         return 0
@@ -222,8 +258,10 @@ def main(argv=None) -> int:
     if args.out is not None:
         meta = run_meta()
         args.out.mkdir(parents=True, exist_ok=True)
-        write_csv(args.out / f"dweight_{meta.get('device', 'gpu').replace(' ', '_')}.csv",
-                  [dict(meta, **r) for r in rows])
+        tag = meta.get("device", "gpu").replace(" ", "_")
+        rows = [dict(meta, **r) for r in rows]
+        write_csv(args.out / f"dweight_{tag}.csv", rows)
+        plot(rows, args.out / f"dweight_{tag}.png")
     return 0
 
 

@@ -25,6 +25,14 @@ Rule (``grad_path="auto"``): bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` 
 hidden units (below it the recomputed logits cost less than the extra streaming), when :func:`extra_bytes` (the
 kept N x V buffer, the per-tile maxima, the backward's fp32 d_hidden) is at most :func:`.sft.budget_bytes` =
 V x H x 4 bytes + 512 MiB: the SFT path's memory budget.
+
+The mixed path (:func:`stored_rows`; "auto" only): where the whole batch's exponentials exceed that budget, the
+first S tokens (whole blocks of ``MIXED_ROW_STEP`` rows, at least ``MIN_STORED_ROWS``, as many as
+:func:`mixed_extra_bytes` lets fit the budget) take this path and the other N - S tokens the 4-pass path: two
+forwards (the first storing), then the S rows' d(logits) in place and their d_hidden rows in one GEMM, and the
+4-pass backward of the rest, whose per-slice d_weight GEMMs also add the S tokens' products (the same d(logits)
+columns) to the same fp32 sums (:func:`.launch.lce_backward`'s ``extra_weight_grad``): every d_weight entry is one
+fp32 sum over all N tokens, rounded once. Each stored token saves its share of the recomputed logits.
 """
 
 from __future__ import annotations
