@@ -410,23 +410,31 @@ def test_bf16_rl_paths_confident(shape):
 def test_rl_3pass_memory_within_its_budget():
     """The 3-pass log-prob forward + backward at 8192 x 4096 x 128256 (the rule's choice there) stays within its
     documented extra memory, N x V x 2 + scratch <= V x H x 4 + 512 MiB (plus the bf16 grads)."""
-    from hopperkern.lce import rl, sft
+    from hopperkern.lce import rl
 
     N, V, H = 8192, 128256, 4096
     assert rl.use_3pass("auto", N, V, H, torch.bfloat16)
+    _rl_step_within_budget(N, V, H, expect_path("auto", rl=True), "3-pass")
+
+
+def _rl_step_within_budget(N, V, H, path_ctx, what):
+    """A bf16 log-prob + entropy forward and backward under "auto" (inside ``path_ctx``) allocates at most
+    sft.budget_bytes(V, H) beyond its inputs, plus the bf16 grads and 32 MiB of slack."""
+    from hopperkern.lce import sft
+
     inp = make_inputs((N, V, H), dtype=torch.bfloat16, device=DEV)
     h, w = inp.hidden.detach().requires_grad_(), inp.weight.detach().requires_grad_()
     g = upstream((N,), device=DEV)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    with expect_path("auto", rl=True):
+    with path_ctx:
         lp, ent = lce.linear_logprobs_entropy(h, w, inp.labels)
         torch.autograd.backward((lp, ent), (g, g))
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     budget = sft.budget_bytes(V, H) + (N * H + V * H) * 2 + 32 * 2**20
-    assert extra <= budget, f"3-pass peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+    assert extra <= budget, f"{what} peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
 
 
 def test_bf16_rl_3pass_narrow_tiles(monkeypatch):
@@ -489,21 +497,8 @@ def test_bf16_rl_mixed_path_confident(monkeypatch):
 def test_rl_mixed_memory_within_its_budget():
     """"auto" at 32768 x 4096 x 128256 takes the mixed path (the whole batch's exponentials, 7.8 GiB, are over the
     budget) and stays within V x H x 4 + 512 MiB of extra memory (plus the bf16 grads)."""
-    from hopperkern.lce import rl, sft
+    from hopperkern.lce import rl
 
     N, V, H = 32768, 128256, 4096
-    S = rl.stored_rows("auto", N, V, H, torch.bfloat16)
-    assert 0 < S < N
-    inp = make_inputs((N, V, H), dtype=torch.bfloat16, device=DEV)
-    h, w = inp.hidden.detach().requires_grad_(), inp.weight.detach().requires_grad_()
-    g = upstream((N,), device=DEV)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    with expect_path("auto", rl=True, backward=False):
-        lp, ent = lce.linear_logprobs_entropy(h, w, inp.labels)
-        torch.autograd.backward((lp, ent), (g, g))
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    budget = sft.budget_bytes(V, H) + (N * H + V * H) * 2 + 32 * 2**20
-    assert extra <= budget, f"mixed peak extra {extra / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+    assert 0 < rl.stored_rows("auto", N, V, H, torch.bfloat16) < N
+    _rl_step_within_budget(N, V, H, expect_path("auto", rl=True, backward=False), "mixed")

@@ -104,11 +104,17 @@ def test_3pass_fp32_confident(grads_on, mode):
     forward's fp32 log-prob, not from e. Both paths then carry the log-prob's ~1e-6 absolute error (two fp32 sums of
     size |z|), ~1e-4 of d_hidden where the label column and the rest nearly cancel; the 3-pass path's grads are as
     close to fp64 as the 4-pass path's (within 25 %), its outputs those of the same forward."""
+    _confident_vs_4pass(mode, _lpe(mode, **THREE), expect_path(mode, rl=True), grads_on)
+
+
+def _confident_vs_4pass(mode, kernel_fn, path_ctx, grads_on="both"):
+    """On a confident fp32 batch (loss-masked upstream grads), ``kernel_fn`` (run inside ``path_ctx``) gives the
+    4-pass path's outputs to fp32 order and grads as close to fp64 as the 4-pass path's (within 25 %)."""
     inp = make_inputs(SHAPE, ignore=0.2, confident=CONFIDENT, temperature=0.7)
     mask = inp.kept.float()
     ups = [u * mask if u is not None else None for u in _ups(grads_on)]
-    with expect_path(mode, rl=True):
-        outs, grads = run(_lpe(mode, **THREE), inp, ups)
+    with path_ctx:
+        outs, grads = run(kernel_fn, inp, ups)
     outs4, grads4 = run(_lpe(mode, **FOUR), inp, ups)
     _, want = run(REF, inp, ups, dtype=torch.float64)
     for o, o4 in zip(outs, outs4):
@@ -116,7 +122,7 @@ def test_3pass_fp32_confident(grads_on, mode):
     for name, g, g4, w in zip(("d_hidden", "d_weight"), grads, grads4, want):
         e3, e4 = rel_err(g, w), rel_err(g4, w)
         assert e4 < 1e-3, f"{name}: the 4-pass path's error {e4:.2e} is no baseline"
-        assert e3 <= 1.25 * e4 + 1e-7, f"{name}: 3-pass error {e3:.2e} vs the 4-pass path's {e4:.2e}"
+        assert e3 <= 1.25 * e4 + 1e-7, f"{name}: error {e3:.2e} vs the 4-pass path's {e4:.2e}"
 
 
 @pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
@@ -455,20 +461,8 @@ def test_mixed_fp32_matches_reference_and_4pass(grads_on, S, mode, monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 def test_mixed_fp32_confident(mode, monkeypatch):
     """Confident predictions on both parts of the mixed path: as close to fp64 as the 4-pass path (within 25 %)."""
-    inp = make_inputs(SHAPE, ignore=0.2, confident=CONFIDENT, temperature=0.7)
-    mask = inp.kept.float()
-    ups = [u * mask for u in _ups("both")]
     _stored(monkeypatch, 16)
-    with expect_mixed(mode):
-        outs, grads = run(_lpe(mode), inp, ups)
-    outs4, grads4 = run(_lpe(mode, **FOUR), inp, ups)
-    _, want = run(REF, inp, ups, dtype=torch.float64)
-    for o, o4 in zip(outs, outs4):
-        assert_close(o, o4, SAME_ORDER_RTOL, "output")
-    for name, g, g4, w in zip(("d_hidden", "d_weight"), grads, grads4, want):
-        e3, e4 = rel_err(g, w), rel_err(g4, w)
-        assert e4 < 1e-3, f"{name}: the 4-pass path's error {e4:.2e} is no baseline"
-        assert e3 <= 1.25 * e4 + 1e-7, f"{name}: mixed error {e3:.2e} vs the 4-pass path's {e4:.2e}"
+    _confident_vs_4pass(mode, _lpe(mode), expect_mixed(mode))
 
 
 @pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
