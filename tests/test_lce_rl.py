@@ -374,22 +374,29 @@ def test_forward_block_v():
 # torch.compile and the custom ops
 
 
-def test_3pass_compiled_backward_keeps_its_inputs():
-    """torch.compile(fullgraph=True) with Inductor traces the 3-pass path without graph breaks. With donated buffers
-    off (what torch's own retain_graph error advises) the traced backward writes d(logits) to a buffer of its own:
-    a second backward through the retained graph equals the first, and both equal eager."""
+@pytest.mark.parametrize("path", ["3pass", "mixed"])
+def test_3pass_compiled_backward_keeps_its_inputs(path, monkeypatch):
+    """torch.compile(fullgraph=True) with Inductor traces the 3-pass path (and the mixed path, whose forward op's
+    ``stored`` argument sizes its fake outputs) without graph breaks. With donated buffers off (what torch's own
+    retain_graph error advises) the traced backward writes d(logits) to a buffer of its own: a second backward
+    through the retained graph equals the first, and both equal eager."""
     torch._dynamo.reset()
+    kw = THREE
+    if path == "mixed":
+        _stored(monkeypatch, 7)
+        kw = {}
 
     def step(x, w, labels):
-        return lce.linear_logprobs_entropy(torch.tanh(x) * 3.0, w, labels, temperature=0.7, tma="never", **THREE)
+        return lce.linear_logprobs_entropy(torch.tanh(x) * 3.0, w, labels, temperature=0.7, tma="never", **kw)
 
     inp = make_inputs(SMALL, ignore=0.2)
     h, w = _leaves(inp)
     g_lp, g_ent = _ups("both", SMALL[0])
     lp, ent = step(h, w, inp.labels)
     want = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent))
+    ctx = expect_mixed("never") if path == "mixed" else expect_path("never", rl=True)
     try:
-        with torch._functorch.config.patch(donated_buffer=False), expect_path("never", rl=True):
+        with torch._functorch.config.patch(donated_buffer=False), ctx:
             lp, ent = torch.compile(step, fullgraph=True, backend="inductor")(h, w, inp.labels)
             first = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent), retain_graph=True)
             second = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent))
@@ -511,33 +518,6 @@ def test_mixed_accumulation_and_second_backward(monkeypatch):
     lp.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         lp.sum().backward()
-
-
-def test_mixed_compiled(monkeypatch):
-    """torch.compile(fullgraph=True) traces the mixed path through the custom ops (the forward op's ``stored``
-    argument sizes its fake outputs); gradients equal eager's, and a second backward through the retained graph
-    equals the first (the traced backward writes d(logits) to a buffer of its own)."""
-    torch._dynamo.reset()
-    _stored(monkeypatch, 7)
-
-    def step(x, w, labels):
-        return lce.linear_logprobs_entropy(torch.tanh(x) * 3.0, w, labels, temperature=0.7, tma="never")
-
-    inp = make_inputs(SMALL, ignore=0.2)
-    h, w = _leaves(inp)
-    g_lp, g_ent = _ups("both", SMALL[0])
-    lp, ent = step(h, w, inp.labels)
-    want = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent))
-    try:
-        with torch._functorch.config.patch(donated_buffer=False), expect_mixed("never"):
-            lp, ent = torch.compile(step, fullgraph=True, backend="inductor")(h, w, inp.labels)
-            first = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent), retain_graph=True)
-            second = torch.autograd.grad((lp, ent), (h, w), (g_lp, g_ent))
-    finally:
-        torch._dynamo.reset()
-    check_grads(first, want, 1e-6)
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
 
 
 def test_mixed_forward_op_opcheck():
