@@ -518,7 +518,8 @@ def _check_logprob(logprob, N: int) -> None:
 def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
                  opts: LceOptions, *, logprob=None, zlab=None, need_weight_grad: bool = True,
                  need_hidden_grad: bool = True, config: KernelConfig | None = None, vocab_total: int | None = None,
-                 fp32_hidden_grad: bool = False, extra_weight_grad: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 fp32_hidden_grad: bool = False, extra_weight_grad: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 hidden_grad_out: torch.Tensor | None = None):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the input dtype.
 
     ``lse``, ``entropy`` and ``logprob`` are the forward's fp32 [N] outputs (see :func:`lce_forward`); ``g_*``
@@ -562,8 +563,13 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
                       DeprecationWarning, stacklevel=2)
     if extra_weight_grad is not None and (bias is not None or fp32_hidden_grad):
         raise ValueError("lce_backward: extra_weight_grad is for the mixed RL path (no bias, no fp32 d_hidden)")
+    if hidden_grad_out is not None and fp32_hidden_grad:
+        raise ValueError("lce_backward: hidden_grad_out receives d_hidden in the inputs' dtype, not with "
+                         "fp32_hidden_grad")
     if N == 0 or all(g is None for g in (g_loss, g_logprob, g_entropy, g_lse)):
-        d_h = torch.zeros_like(hidden2d) if need_hidden_grad else None
+        d_h = None
+        if need_hidden_grad:
+            d_h = torch.zeros_like(hidden2d) if hidden_grad_out is None else hidden_grad_out.zero_()
         d_w = torch.zeros(weight.shape, dtype=weight.dtype, device=dev) if need_weight_grad else None
         if extra_weight_grad is not None and need_weight_grad:
             torch.mm(extra_weight_grad[0].t(), extra_weight_grad[1], out=d_w)  # fp32 accumulation, one rounding
@@ -618,7 +624,11 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
                         out_dtype_mm=plan.mm_out_dtype)
         if d_b is not None:
             d_b[col_begin:col_begin + ncols] = dl.sum(0, dtype=torch.float32)
-    d_h = (acc_h if fp32_hidden_grad else acc_h.to(dt)) if need_hidden_grad else None
+    d_h = None
+    if need_hidden_grad and fp32_hidden_grad:
+        d_h = acc_h
+    elif need_hidden_grad:
+        d_h = acc_h.to(dt) if hidden_grad_out is None else hidden_grad_out.copy_(acc_h)
     return d_h, d_w, d_b.to(bias.dtype) if d_b is not None else None
 
 

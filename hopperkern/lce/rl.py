@@ -118,21 +118,25 @@ def stored_rows(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> i
     budget = budget_bytes(V, H)
     per_row = padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4
     rows = max(0, budget - mixed_extra_bytes(N, 0, V, H, elem)) // per_row // MIXED_ROW_STEP * MIXED_ROW_STEP
-    rows = min(rows, (N - 1) // MIXED_ROW_STEP * MIXED_ROW_STEP)
+    top = (N - 1) // MIXED_ROW_STEP * MIXED_ROW_STEP
+    rows = min(rows, top)
     while rows >= MIN_STORED_ROWS and mixed_extra_bytes(N, rows, V, H, elem) > budget:
         rows -= MIXED_ROW_STEP
+    # The estimate counted the 4-pass part's fp32 d_hidden for all N rows: more rows may fit.
+    while rows + MIXED_ROW_STEP <= top and mixed_extra_bytes(N, rows + MIXED_ROW_STEP, V, H, elem) <= budget:
+        rows += MIXED_ROW_STEP
     return rows if rows >= MIN_STORED_ROWS else 0
 
 
 def mixed_extra_bytes(N: int, S: int, V: int, H: int, elem: int) -> int:
     """Peak extra memory of the mixed path with ``S`` of ``N`` tokens stored, beyond inputs, outputs and
     gradients: the kept exponentials and per-tile maxima of the S rows (the maxima counted twice, as in
-    :func:`extra_bytes`), plus the backward's largest fp32 d_hidden sum (N x H x 4 bounds both parts'), the 4-pass
-    part's d(logits) slice (``launch.DLOGITS_BUDGET``) and fp32 d_weight slice, and both parts' d_hidden in the
-    inputs' dtype before they are joined."""
+    :func:`extra_bytes`), plus the backward's fp32 d_hidden sum of the larger part (the S rows', then the other
+    rows': one at a time, each rounded into its rows of the one gradient), the 4-pass part's d(logits) slice
+    (``launch.DLOGITS_BUDGET``) and its fp32 d_weight slice."""
     cols = _slice_cols(max(1, N - S), V, 256, elem)
-    return (S * (padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4) + N * H * 4 + DLOGITS_BUDGET + cols * H * 4
-            + N * H * elem)
+    return (S * (padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4) + max(S, N - S) * H * 4 + DLOGITS_BUDGET
+            + cols * H * 4)
 
 
 def extra_bytes(N: int, V: int, H: int, elem: int) -> int:
@@ -251,15 +255,14 @@ def _mixed_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, gr
     sums, so every d_weight entry is one fp32 sum over all N tokens, rounded once."""
     S, V = e.shape[0], weight.shape[0]
     dl = _exp_dlogits(e, mt, labels1d, lse, entropy, logprob, grads, opts, V, in_place) if S else e
-    d_h1 = None
+    d_h = torch.empty_like(hidden2d, memory_format=torch.contiguous_format) if need_hidden_grad else None
     if need_hidden_grad and S:
         one = torch.ones((), dtype=torch.float32, device=hidden2d.device)
-        d_h1, _, _ = lce_sft_backward(hidden2d[:S], weight, None, dl, one, need_hidden_grad=True,
-                                      need_weight_grad=False, tma=opts.tma)
+        lce_sft_backward(hidden2d[:S], weight, None, dl, one, need_hidden_grad=True, need_weight_grad=False,
+                         tma=opts.tma, hidden_grad_out=d_h[:S])
     rest = [g[S:] if g is not None else None for g in grads]
-    d_h2, d_w, _ = lce_backward(hidden2d[S:], weight, labels1d[S:], None, lse[S:], entropy[S:], *rest, opts,
-                                logprob=logprob[S:], need_weight_grad=need_weight_grad,
-                                need_hidden_grad=need_hidden_grad,
-                                extra_weight_grad=(dl[:, :V], hidden2d[:S]) if S and need_weight_grad else None)
-    d_h = (d_h2 if d_h1 is None else torch.cat((d_h1, d_h2))) if need_hidden_grad else None
+    _, d_w, _ = lce_backward(hidden2d[S:], weight, labels1d[S:], None, lse[S:], entropy[S:], *rest, opts,
+                             logprob=logprob[S:], need_weight_grad=need_weight_grad, need_hidden_grad=need_hidden_grad,
+                             extra_weight_grad=(dl[:, :V], hidden2d[:S]) if S and need_weight_grad else None,
+                             hidden_grad_out=d_h[S:] if need_hidden_grad else None)
     return d_h, d_w

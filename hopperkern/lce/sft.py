@@ -438,19 +438,23 @@ def _scaled(acc: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tens
 
 
 def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits: torch.Tensor, g: torch.Tensor,
-                     *, need_hidden_grad: bool = True, need_weight_grad: bool = True, tma: str = "auto"):
+                     *, need_hidden_grad: bool = True, need_weight_grad: bool = True, tma: str = "auto",
+                     hidden_grad_out: torch.Tensor | None = None):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` of the 3-pass path in the inputs' dtype, from
     the forward's ``dlogits`` (:func:`lce_sft_forward`) and the 0-dim upstream gradient ``g`` of its loss (read on
     the device); ``tma``: the call's memory-path mode. Each gradient is one fp32-accumulating GEMM over its whole K dim, times g in fp32, rounded once:
     d_hidden through cuBLAS (fp32 output, then g), d_weight of 16-bit inputs in ``lce_dweight_kernel`` (g applied
-    in its epilogue), of fp32 inputs through cuBLAS in vocab slices.
+    in its epilogue), of fp32 inputs through cuBLAS in vocab slices. ``hidden_grad_out``: an [N, H] tensor in the
+    inputs' dtype that receives d_hidden (rows of a larger gradient, say), else a new one.
     Extra memory: fp32 [N, H] for d_hidden (and for fp32 inputs one fp32 d_weight slice, ``DW_SLICE_BUDGET``)."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
     dl = dlogits[:, :V]
     g = g.to(device=dev, dtype=torch.float32)
-    d_h = torch.empty((N, H), dtype=dt, device=dev) if need_hidden_grad else None
+    d_h = None
+    if need_hidden_grad:
+        d_h = torch.empty((N, H), dtype=dt, device=dev) if hidden_grad_out is None else hidden_grad_out
     d_w = torch.empty((V, H), dtype=dt, device=dev) if need_weight_grad else None
     d_b = None
     if bias is not None:
