@@ -61,8 +61,8 @@ STEP_CASES = [(32768, 4096, 128256), (16384, 3584, 152064), (8192, 2304, 256000)
 STEP_CASES_3PASS = [(8192, 4096, 128256), (1937, 3584, 152064), (2169, 896, 151936)]
 # The 3-pass step's d_weight launch shapes: one program a tile, and the shipped persistent shapes.
 STEP_3PASS = {
-    "one program a tile": lambda H: _plain_tiles(H, None)._replace(persistent=False, flatten=False),
-    "persistent flattened": lambda H: _plain_tiles(H, None),
+    "one program a tile": lambda H: _plain_tiles(H, None),
+    "persistent flattened": lambda H: _plain_tiles(H, "pf"),
 }
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_lce import rl_path_name
 from benchmarks.common import capture_graph, run_meta, write_csv
 from hopperkern.tune.shapes import MOE_SHAPES
 
@@ -186,7 +187,7 @@ def lce_rows(base):
                 lp, ent = lce.linear_logprobs_entropy(h, w, y, check_labels=check)
                 return torch.autograd.grad((lp, ent), (h, w), (g, g))
 
-            auto_path = "3pass" if rl.use_3pass("auto", N, V, H, torch.bfloat16) else "4pass"
+            auto_path = rl_path_name(rl.stored_rows("auto", N, V, H, torch.bfloat16), N)
             for op, fn in (("lce.forward", fwd), ("lce.forward+backward", fwd_bwd)):
                 row = dict(base, op=op, shape=f"{H}x{V}", tokens=N, check=check,
                            grad_path=auto_path if op == "lce.forward+backward" else "", **host_row(fn, 100),

@@ -477,6 +477,8 @@ _DW_SHAPES = [
     ("sliced-epilogue-2", dict(epi_sub=2)),
     ("sliced-epilogue-4", dict(epi_sub=4, block_h=64)),
     ("pointer-epilogue", dict(epi_tma=False)),
+    ("tma-epilogue-sliced-4", dict(epi_sub=4, block_h=64, epi_tma=True)),
+    ("tma-epilogue-persistent-sliced-2", dict(persistent=True, flatten=True, epi_sub=2, epi_tma=True)),
 ]
 
 

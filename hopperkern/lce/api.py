@@ -8,7 +8,7 @@ from .._validate import _PLAIN_TENSORS, check_local_memory, options_key, real_te
 from .._validate import validate_once
 from ..tma.launcher import PlanCache, alignment_key, env_key
 from . import rl, sft
-from .launch import forward_plan_for, logprobs_direct, validate_inputs
+from .launch import fast_mm_f32, forward_plan_for, logprobs_direct, validate_inputs
 from .ops import LceFunction, LceRlFunction, LceSftChunkedFunction, LceSftFunction, _opts, lce_forward_impl
 from .ops import lce_forward_op, lce_rl_forward_op, lce_sft_chunked_forward_op, lce_sft_forward_op
 
@@ -228,9 +228,10 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     thresholds hold, "auto" takes the mixed path: the first ``rl.stored_rows(...)`` tokens (as many whole blocks of
     128 as fit the same budget beside the 4-pass part's memory, ``rl.mixed_extra_bytes``; at least 1024) keep
     their exponentials and the others recompute their logits, every d_weight entry still one fp32 sum over all
-    tokens, rounded once (its backward, too, consumes what was kept). Else "4pass". fp16 inputs (after autocast)
-    and ``process_group`` always take "4pass" ("3pass" raises TypeError and ValueError there). No-grad calls run
-    the plain forward either way. See :mod:`hopperkern.lce.rl`.
+    tokens, rounded once. Its backward, too, consumes what was kept (pass "4pass" to backpropagate twice through
+    a retained graph), and each forward holds its S x V buffer until its backward. Else "4pass". fp16 inputs
+    (after autocast) and ``process_group`` always take "4pass" ("3pass" raises TypeError and ValueError there).
+    No-grad calls run the plain forward either way. See :mod:`hopperkern.lce.rl`.
     """
     key = _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group,
                       grad_path)
@@ -246,13 +247,18 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     grad = _backward_follows(hidden, weight)
     hidden2d = _flat(hidden)
     check = sync_check("check_labels", check_labels, lab)
-    stored = 0
+    stored = 0  # tokens that keep their exponentials: -1 all (the 3-pass path), 0 none (the 4-pass path)
     if grad and process_group is None:
-        stored = rl.stored_rows(grad_path, hidden2d.shape[0], weight.shape[0], weight.shape[1], hidden2d.dtype)
+        N, (V, H) = hidden2d.shape[0], weight.shape
+        if rl.use_3pass(grad_path, N, V, H, hidden2d.dtype):
+            stored = -1
+        elif fast_mm_f32(hidden2d) or not hidden2d.is_cuda:
+            # The mixed path's d_weight GEMMs need cuBLAS's fp32 output for 16-bit inputs on a GPU (else they would
+            # copy whole hidden rows to fp32 per vocab slice); the interpreter's tensors are small.
+            stored = rl.stored_rows(grad_path, N, V, H, hidden2d.dtype)
     if stored:
         _, logprob, entropy, _, _, _ = _eager_or_op(LceRlFunction, lce_rl_forward_op, hidden2d, weight, lab,
-                                                    ignore_index, float(temperature), tma, check,
-                                                    -1 if stored >= hidden2d.shape[0] else stored)
+                                                    ignore_index, float(temperature), tma, check, stored)
     else:
         _, logprob, entropy, _ = _forward(process_group, grad, hidden2d, weight, lab, None, ignore_index, 0.0, 0.0,
                                           0.0, float(temperature), tma, True, check)

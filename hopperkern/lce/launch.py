@@ -9,8 +9,9 @@ Backward strategy: the vocab is cut into slices of ``Vs`` columns. For each slic
 the logits tile by tile and writes d(logits) for all N tokens into a bounded buffer ([N, Vs], at most
 ``DLOGITS_BUDGET`` bytes), each entry formed in fp32 and rounded once (a second small kernel rewrites the label
 column from the forward's log-prob); then ``d_weight[slice] = dlogits^T @ h`` is ONE GEMM over all tokens (fp32
-accumulation inside the GEMM, written once), and ``d_hidden += dlogits @ w[slice]`` accumulates in an fp32
-[N, H] buffer. No gradient piece is ever summed in bf16/fp16.
+accumulation inside the GEMM, written once; with the mixed RL path's other tokens, two GEMMs into one fp32 sum,
+written once), and ``d_hidden += dlogits @ w[slice]`` accumulates in an fp32 [N, H] buffer. No gradient piece is
+ever summed in bf16/fp16.
 """
 
 from __future__ import annotations
@@ -481,6 +482,13 @@ def _slice_cols(N: int, V: int, block_v: int, elem: int) -> int:
     return min(cols, cdiv(V, block_v) * block_v)
 
 
+def _dw_rows(H: int) -> int:
+    """Rows of an fp32 [rows, H] d_weight sum within ``sft.DW_SLICE_BUDGET`` bytes (at least one)."""
+    from .sft import DW_SLICE_BUDGET
+
+    return max(1, DW_SLICE_BUDGET // (4 * max(1, H)))
+
+
 def fast_mm_f32(a: torch.Tensor) -> bool:
     """Whether :func:`_acc_mm_f32` runs ``a`` (an fp32 or 16-bit GEMM operand) without fp32 copies of it."""
     return a.dtype == torch.float32 or (a.is_cuda and _tma.torch_mm_out_dtype(a.device, a.dtype))
@@ -498,7 +506,8 @@ def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: int =
         torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
     else:
         # CPU (tests), or a torch without out_dtype: the same arithmetic through fp32 copies of the operands,
-        # which callers bound by slicing (DLOGITS_BUDGET for ``a`` here; ``b`` is a slice's [Vs, H] weight rows).
+        # which callers bound by slicing (DLOGITS_BUDGET for ``a`` here; ``b`` is a slice's [Vs, H] weight rows;
+        # the mixed RL path, which would copy whole hidden rows per slice, is not taken there: rl.stored_rows).
         acc.addmm_(a.float(), b.float(), beta=beta)
 
 
@@ -598,8 +607,9 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     grads = [g if g is not None else lse for g in (g_loss, g_logprob, g_entropy, g_lse)]
     b_arg = bias if bias is not None else weight
     acc_w = None
-    if extra_weight_grad is not None and need_weight_grad:
-        acc_w = torch.empty((plan.slices[0][1], H), dtype=torch.float32, device=dev)
+    if extra_weight_grad is not None and need_weight_grad and dt != torch.float32:
+        # fp32 sums of at most DW_SLICE_BUDGET bytes (the slice's columns in pieces); fp32 d_weight is its own sum.
+        acc_w = torch.empty((min(plan.slices[0][1], _dw_rows(H)), H), dtype=torch.float32, device=dev)
     here = None if plan.interpreted else launch_state()  # device and stream, read once for every launch below
     for col_begin, ncols, dlogits, onehot in plan.slices:
         launch_at(dlogits, here, (hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf))
@@ -609,13 +619,18 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
             launch_at(onehot, here, (labels1d, lse, entropy, *grads, logprob, dbuf))
         whole = ncols == V  # one slice: the whole tensors, no views to make
         dl = dbuf if whole and plan.ld == V else dbuf[:, :ncols]
-        if acc_w is not None:
-            # Both token sets' products in one fp32 sum per entry, then one rounding.
+        if extra_weight_grad is not None and need_weight_grad:
+            # Both token sets' products in one fp32 sum per entry, then one rounding (none for fp32 inputs).
             d2, h2 = extra_weight_grad
-            aw = acc_w[:ncols]
-            _acc_mm_f32(aw, dl.t(), hidden2d, beta=0, out_dtype_mm=plan.mm_out_dtype)
-            _acc_mm_f32(aw, d2[:, col_begin:col_begin + ncols].t(), h2, out_dtype_mm=plan.mm_out_dtype)
-            d_w[col_begin:col_begin + ncols].copy_(aw)
+            step = ncols if acc_w is None else acc_w.shape[0]
+            for c0 in range(0, ncols, step):
+                c1 = min(ncols, c0 + step)
+                out = d_w[col_begin + c0:col_begin + c1]
+                aw = out if acc_w is None else acc_w[:c1 - c0]
+                _acc_mm_f32(aw, dl[:, c0:c1].t(), hidden2d, beta=0, out_dtype_mm=plan.mm_out_dtype)
+                _acc_mm_f32(aw, d2[:, col_begin + c0:col_begin + c1].t(), h2, out_dtype_mm=plan.mm_out_dtype)
+                if acc_w is not None:
+                    out.copy_(aw)
         elif need_weight_grad:
             # One GEMM over all N tokens: fp32 accumulation inside cuBLAS, written once in the weight dtype.
             torch.mm(dl.t(), hidden2d, out=d_w if whole else d_w[col_begin:col_begin + ncols])

@@ -19,7 +19,8 @@ through the same graph (``retain_graph=True``) raises autograd's error about a s
 ``grad_path="4pass"`` allows it. A backward traced by torch.compile writes d(logits) to a buffer of its own
 instead (N x V more memory during the backward, and any number of backwards), since a traced in-place update
 would be written back over the kept buffer without a version check. Each differentiable forward holds its N x V
-buffer until its backward: several forwards before one backward (micro-batches) hold one each.
+buffer until its backward: several forwards before one backward (micro-batches) hold one each. The same holds for
+the mixed path below, with its S x V buffer.
 
 Rule (``grad_path="auto"``): bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS``
 hidden units (below it the recomputed logits cost less than the extra streaming), when :func:`extra_bytes` (the
@@ -37,6 +38,8 @@ fp32 sum over all N tokens, rounded once. Each stored token saves its share of t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import tma as _tma
@@ -44,7 +47,7 @@ from .._host import cdiv
 from .._validate import check_choice
 from ..tuning import KernelConfig
 from ._kernels import lce_exp_dlogits_kernel
-from .launch import DLOGITS_BUDGET, LceOptions, _slice_cols, lce_backward, lce_forward, pick_config
+from .launch import DLOGITS_BUDGET, LceOptions, lce_backward, lce_forward, pick_config
 from . import sft as _sft
 from .sft import _FIXUP_POINTER, budget_bytes, lce_sft_backward, padded_cols
 
@@ -66,8 +69,9 @@ MIN_HIDDEN_3PASS = 2048
 # 0.90 vs 0.94 at 8192 x 4096, 0.91 vs 0.94 at 16384 x 3584, 0.97 vs 1.01 at 8192 x 2304, level at 32768 x 4096,
 # but 0.85 vs 0.82 at 1937 x 3584: taken from this many tokens.
 MIN_TOKENS_NARROW_TILES = 4096
-# The mixed path (:func:`stored_rows`) stores whole row blocks of tokens, and at least this many (fewer would save
-# less than the second forward launch and the joined outputs cost).
+# The mixed path (:func:`stored_rows`) stores whole row blocks of tokens, and at least this many: a choice, not a
+# measurement (each stored token saves ~1/4 of its recomputed logits, and the second forward launch and the split
+# d_weight GEMMs cost a few per cent of a forward: below ~1000 tokens the saving would not clearly pay for them).
 MIXED_ROW_STEP = 128
 MIN_STORED_ROWS = 1024
 _RL_OP = "lce.rl_dlogits"  # the in-place d(logits) launch's name in tma.last_decision
@@ -114,8 +118,12 @@ def stored_rows(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> i
         return N
     if grad_path != "auto" or dtype == torch.float16 or H < MIN_HIDDEN_3PASS or N < _sft.MIN_TOKENS_3PASS:
         return 0
-    elem = torch.finfo(dtype).bits // 8
-    budget = budget_bytes(V, H)
+    return _mixed_rows(N, V, H, torch.finfo(dtype).bits // 8, budget_bytes(V, H))
+
+
+@functools.lru_cache(maxsize=256)
+def _mixed_rows(N: int, V: int, H: int, elem: int, budget: int) -> int:
+    """:func:`stored_rows` of the mixed path (cached: a differentiable call asks it each time)."""
     per_row = padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4
     rows = max(0, budget - mixed_extra_bytes(N, 0, V, H, elem)) // per_row // MIXED_ROW_STEP * MIXED_ROW_STEP
     top = (N - 1) // MIXED_ROW_STEP * MIXED_ROW_STEP
@@ -133,10 +141,14 @@ def mixed_extra_bytes(N: int, S: int, V: int, H: int, elem: int) -> int:
     gradients: the kept exponentials and per-tile maxima of the S rows (the maxima counted twice, as in
     :func:`extra_bytes`), plus the backward's fp32 d_hidden sum of the larger part (the S rows', then the other
     rows': one at a time, each rounded into its rows of the one gradient), the 4-pass part's d(logits) slice
-    (``launch.DLOGITS_BUDGET``) and its fp32 d_weight slice."""
-    cols = _slice_cols(max(1, N - S), V, 256, elem)
+    (``launch.DLOGITS_BUDGET``) and its fp32 d_weight sum (at most ``sft.DW_SLICE_BUDGET``). Eager calls on the
+    cuBLAS path (:func:`.launch.fast_mm_f32`); a traced backward adds a d(logits) buffer of S rows."""
+    # The slice is at most DLOGITS_BUDGET / row bytes columns, or one tile (<= 256) where that is fewer; its fp32
+    # d_weight sum at most DW_SLICE_BUDGET bytes (16-bit inputs; fp32 d_weight is its own sum).
+    cols = max(256, DLOGITS_BUDGET // (max(1, N - S) * elem))
+    acc_w = min(cols, max(1, _sft.DW_SLICE_BUDGET // (4 * H))) * H * 4 if elem != 4 else 0
     return (S * (padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4) + max(S, N - S) * H * 4 + DLOGITS_BUDGET
-            + cols * H * 4)
+            + acc_w)
 
 
 def extra_bytes(N: int, V: int, H: int, elem: int) -> int:
@@ -206,7 +218,8 @@ def lce_rl_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, g_
     :func:`lce_rl_forward` kept and fp32 [N] upstream gradients of its per-token outputs (None for zero).
     ``in_place``: overwrites ``e`` with d(logits) and ``mt`` with NaN (the pair serves one backward; extra
     memory: fp32 [N, H] for d_hidden); otherwise d(logits) goes to a new buffer like ``e`` (extra memory: that
-    buffer too) and ``e``, ``mt`` stay as they are."""
+    buffer too) and ``e``, ``mt`` stay as they are. Where ``e`` holds fewer rows than N (the mixed path) the other
+    tokens go through the 4-pass backward (extra memory: :func:`mixed_extra_bytes` beyond the kept pair)."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype

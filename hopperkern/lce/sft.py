@@ -53,7 +53,8 @@ bytes (an fp32 copy of the weight) + ``EXTRA_BUDGET`` (512 MiB); otherwise, or w
 the chunked variant from the same token count when its chunks, sized to that budget, hold at least
 ``MIN_CHUNK_TOKENS`` tokens (or all of them) (:func:`pick_path`). Otherwise, and always for ``reduction="none"``
 and vocab-parallel calls, the 4-pass path runs (extra memory O(N H) + 128 MiB). Per-token log-probs and entropies
-(``linear_logprobs_entropy``) have a 3-pass path of their own under the same memory rule (:mod:`.rl`).
+(``linear_logprobs_entropy``) have a 3-pass path of their own under the same memory rule, and a mixed path beyond
+it (:mod:`.rl`).
 """
 
 from __future__ import annotations
@@ -402,6 +403,9 @@ def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: tor
             operands["dweight_lo"] = (lo, box)
     d = _tma.decide(tma, operands, op=_DW_OP)
     o_tma = d.use.get("dweight", False) and d.use.get("dweight_lo", True)
+    if lo is not None and t.epi_tma and d.use["dweight"] != d.use["dweight_lo"]:
+        # One flag serves both halves: pointers for both, and a decision that says so.
+        d = _tma.decide(tma, {k: v for k, v in operands.items() if not k.startswith("dweight")}, op=_DW_OP)
     tiles_total = cdiv(V, t.block_v) * cdiv(H, t.block_h)
     if not t.persistent:
         programs = 0
