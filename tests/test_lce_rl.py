@@ -554,13 +554,14 @@ def test_stored_rows_rule(N, H, V):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_mixed_dweight_sum_in_pieces(mode, monkeypatch):
-    """With the fp32 d_weight sum capped at 5 rows (sft.DW_SLICE_BUDGET) each vocab slice's two GEMMs run piece by
-    piece: d_hidden and d_weight as close to fp64 as the 4-pass path's. 16-bit inputs take that fp32 sum (fp32
+    """With the fp32 d_weight sum capped at 5 rows (sft.DW_SLICE_BUDGET, pieces of 4 columns: DW_ROWS_ALIGN) each
+    vocab slice's two GEMMs run piece by piece: d_hidden and d_weight as close to fp64 as the 4-pass path's. 16-bit inputs take that fp32 sum (fp32
     d_weight is its own); fp16 here only because the interpreter's bf16 dot is wrong (stored_rows itself never
     keeps fp16 exponentials)."""
     inp = make_inputs(SHAPE, ignore=0.3)
     ups = _ups("both")
     monkeypatch.setattr(sft, "DW_SLICE_BUDGET", 4 * SHAPE[2] * 5)
+    monkeypatch.setattr(launch, "DW_ROWS_ALIGN", 4)  # pieces of 4 columns
     monkeypatch.setattr(launch, "DLOGITS_BUDGET", SHAPE[0] * 2 * 4 * 48)  # slices of 48 columns: 3 of V = 100
     _stored(monkeypatch, 16)
     with expect_mixed(mode):
@@ -569,3 +570,12 @@ def test_mixed_dweight_sum_in_pieces(mode, monkeypatch):
     _, want = run(REF, inp, ups, dtype=torch.float64)
     for name, g, g4, w in zip(("d_hidden", "d_weight"), grads, grads4, want):
         assert rel_err(g, w) <= 1.25 * rel_err(g4, w) + 1e-6, name
+
+
+def test_dweight_pieces_are_aligned():
+    """The mixed path's fp32 d_weight pieces are whole multiples of DW_ROWS_ALIGN (128) columns within
+    sft.DW_SLICE_BUDGET, so every piece of a d(logits) slice starts 256-byte aligned for cuBLAS."""
+    for H in (896, 2304, 3584, 4096, 7168, 10**6):
+        rows = launch._dw_rows(H)
+        assert rows % launch.DW_ROWS_ALIGN == 0 and rows >= launch.DW_ROWS_ALIGN
+        assert rows * H * 4 <= sft.DW_SLICE_BUDGET or rows == launch.DW_ROWS_ALIGN

@@ -47,7 +47,7 @@ from .._host import cdiv
 from .._validate import check_choice
 from ..tuning import KernelConfig
 from ._kernels import lce_exp_dlogits_kernel
-from .launch import DLOGITS_BUDGET, LceOptions, lce_backward, lce_forward, pick_config
+from .launch import DLOGITS_BUDGET, LceOptions, _dw_rows, lce_backward, lce_forward, pick_config
 from . import sft as _sft
 from .sft import _FIXUP_POINTER, budget_bytes, lce_sft_backward, padded_cols
 
@@ -141,12 +141,12 @@ def mixed_extra_bytes(N: int, S: int, V: int, H: int, elem: int) -> int:
     gradients: the kept exponentials and per-tile maxima of the S rows (the maxima counted twice, as in
     :func:`extra_bytes`), plus the backward's fp32 d_hidden sum of the larger part (the S rows', then the other
     rows': one at a time, each rounded into its rows of the one gradient), the 4-pass part's d(logits) slice
-    (``launch.DLOGITS_BUDGET``) and its fp32 d_weight sum (at most ``sft.DW_SLICE_BUDGET``). Eager calls on the
+    (``launch.DLOGITS_BUDGET``) and its fp32 d_weight sum (``launch._dw_rows`` rows). Eager calls on the
     cuBLAS path (:func:`.launch.fast_mm_f32`); a traced backward adds a d(logits) buffer of S rows."""
     # The slice is at most DLOGITS_BUDGET / row bytes columns, or one tile (<= 256) where that is fewer; its fp32
     # d_weight sum at most DW_SLICE_BUDGET bytes (16-bit inputs; fp32 d_weight is its own sum).
     cols = max(256, DLOGITS_BUDGET // (max(1, N - S) * elem))
-    acc_w = min(cols, max(1, _sft.DW_SLICE_BUDGET // (4 * H))) * H * 4 if elem != 4 else 0
+    acc_w = min(cols, _dw_rows(H)) * H * 4 if elem != 4 else 0
     return (S * (padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4) + max(S, N - S) * H * 4 + DLOGITS_BUDGET
             + acc_w)
 
