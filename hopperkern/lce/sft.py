@@ -354,18 +354,18 @@ class DwTiles(NamedTuple):
 # lce_dweight_kernel's launch shapes: 128 x 256 x 64 tiles with a 3-stage pipeline, 256 x 128 where H is no
 # multiple of 256 (no half-empty hidden tile); one persistent program per SM with the tile and K loops fused, so
 # that the next tile's first operand loads are issued under this tile's epilogue. Measured on the H200 (bf16,
-# benchmarks/results/dweight_NVIDIA_H200.csv), time / cuBLAS's bf16 d(logits)^T @ h: 1.01 at 128256 x 4096 x 8192
-# tokens, 0.96 at 152064 x 3584 x 1937, 1.00 at 151936 x 896 x 2169 (256 x 128); one program a tile took 1.02,
-# 1.19 and 1.16 there.
+# benchmarks/results/dweight_NVIDIA_H200.csv), time / cuBLAS's bf16 d(logits)^T @ h: 1.02 at 128256 x 4096 x 8192
+# tokens, 0.95 at 152064 x 3584 x 1937, 0.99 at 151936 x 896 x 2169 (256 x 128); one program a tile took 1.03,
+# 1.19 and 1.17 there.
 DW_TILES = DwTiles(128, 256, 64, 8, 8, 3, persistent=True, flatten=True)
 DW_TILES_NARROW = DwTiles(256, 128, 64, 8, 8, 3, persistent=True, flatten=True)
 # The chunked variant's split launches (the fp32 sum held so far read and written in the epilogue): the same tiles
 # and loop, the epilogue in four column slices through pointer loads and stores. A slice's halves and its part of
 # the sum are live one slice at a time (the whole 128 x 256 tile at once spills 660 bytes per thread:
 # benchmarks/compile_lce_sm90.py). Same run, time / cuBLAS's addmm of the same product into an fp32 C (the same
-# bytes): 1.04, 1.07 and 1.10 at the chunks "auto" runs at 32768 x 4096 x 128256, 16384 x 3584 x 152064 and
-# 8192 x 2304 x 256000 (5504, 4096 and 2816 tokens); one program a tile with the whole tile's epilogue took 1.08,
-# 1.14 and 1.30; TMA loads and stores in the sliced epilogue 1.08 to 1.32 (each slice waits for its loads).
+# bytes): 1.04, 1.08 and 1.10 at the chunks "auto" runs at 32768 x 4096 x 128256, 16384 x 3584 x 152064 and
+# 8192 x 2304 x 256000 (5504, 4096 and 2816 tokens); one program a tile with the whole tile's epilogue took 1.10,
+# 1.16 and 1.32; TMA loads and stores in the sliced epilogue 1.09 to 1.35 (each slice waits for its loads).
 DW_SPLIT_TILES = DwTiles(128, 256, 64, 8, 8, 3, epi_sub=4, persistent=True, flatten=True, epi_tma=False)
 DW_SPLIT_TILES_NARROW = DwTiles(256, 128, 64, 8, 8, 3, epi_sub=4, persistent=True, flatten=True, epi_tma=False)
 # Under the interpreter: small tiles, and the persistent loop and sliced epilogue over a few programs, so that
