@@ -562,7 +562,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
 
     ``extra_weight_grad`` (the mixed RL path, :mod:`.rl`): ``(d2, h2)``, the d(logits) [S, V] (unit column
     stride) and hidden rows [S, H] of other tokens, whose product d2^T @ h2 is added to d_weight: each vocab
-    slice's two GEMMs accumulate into one fp32 [slice, H] buffer, rounded once (extra memory: that buffer).
+    slice's two GEMMs accumulate, piece by piece of ``_dw_rows(H)`` columns, into one fp32 buffer, rounded once
+    (extra memory: that buffer, at most ``sft.DW_SLICE_BUDGET`` bytes; fp32 inputs sum into d_weight itself).
     """
     if not hidden2d.is_cuda:
         _tma.check_interpreter(hidden2d.dtype, "lce.backward")  # no launch the interpreter gets wrong
