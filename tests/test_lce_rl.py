@@ -141,13 +141,17 @@ def test_3pass_bf16_no_worse_than_torch(confident, mode):
 
 @pytest.mark.parametrize("mode", ["auto", "never"])
 @pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay.name != "odd pitch"], ids=lambda lay: lay.name)
-def test_3pass_noncontiguous_hidden(layout, mode):
+@pytest.mark.parametrize("mixed", [False, True], ids=["3pass", "mixed"])
+def test_3pass_noncontiguous_hidden(layout, mode, mixed, monkeypatch):
     """A strided hidden view (transposed: pointer loads; an aligned column slice: TMA in place) gives the
-    reference's outputs and grads; the d_weight GEMM reads the view with its strides."""
+    reference's outputs and grads; the d_weight GEMMs read the view with its strides (on the mixed path both
+    token sets' row views of it)."""
     inp = make_inputs(SMALL, ignore=0.2)
     inp.hidden = layout.make(inp.hidden)
-    check_fp32(mode, _lpe(mode, **THREE), REF, inp, _ups("both", SMALL[0]), view=layout.view,
-               path=dict(hidden=layout.tma_reason is None, rl=True))
+    if mixed:
+        _stored(monkeypatch, 7)
+    check_fp32(mode, _lpe(mode, **({} if mixed else THREE)), REF, inp, _ups("both", SMALL[0]), view=layout.view,
+               path=dict(hidden=layout.tma_reason is None, rl=True, backward=not mixed))
 
 
 # ---------------------------------------------------------------------------------------------------------------
