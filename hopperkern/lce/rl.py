@@ -38,8 +38,6 @@ fp32 sum over all N tokens, rounded once. Each stored token saves its share of t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import tma as _tma
@@ -121,9 +119,9 @@ def stored_rows(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> i
     return _mixed_rows(N, V, H, torch.finfo(dtype).bits // 8, budget_bytes(V, H))
 
 
-@functools.lru_cache(maxsize=256)
 def _mixed_rows(N: int, V: int, H: int, elem: int, budget: int) -> int:
-    """:func:`stored_rows` of the mixed path (cached: a differentiable call asks it each time)."""
+    """:func:`stored_rows` of the mixed path: a few dozen integer steps at most, beside a call of 100 ms or more
+    of GPU work, so not cached (the memory terms read module constants that tests change)."""
     per_row = padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4
     rows = max(0, budget - mixed_extra_bytes(N, 0, V, H, elem)) // per_row // MIXED_ROW_STEP * MIXED_ROW_STEP
     top = (N - 1) // MIXED_ROW_STEP * MIXED_ROW_STEP
