@@ -15,6 +15,10 @@ Models (written next to the figures):
   FLOPs  = 2 * M * k * (2I*H + H*I)
   %copy  = bytes / time / copy bandwidth (reported for M <= 256; pct_copy_bw_graph10 from time_us_graph10);  %cuBLAS = FLOPs / time / cuBLAS bf16 rate
   (reported for M >= 1024). Both ceilings are measured in the same run (common.measure_ceilings).
+  stream_us_graph10 (M <= 64) = one kernel that only reads the case's bytes (torch.sum over a bf16 tensor of
+  ``bytes`` bytes), timed like time_us_graph10 (10-call graph, L2 flushed before each call); vs_stream_graph10 =
+  stream_us_graph10 / time_us_graph10. The copy bandwidth is measured on 1 GiB; a read of a few tens of MB after
+  an L2 flush reaches less of it, whatever reads it, and this floor says how much less in the same run.
 
     python -m benchmarks.bench_moe --out DIR [--quick] [--shapes qwen3-30B-A3B mixtral-8x7B ...]
     python -m benchmarks.bench_moe --plot-from benchmarks/results/moe_NVIDIA_H200.csv   # redraw, no GPU needed
@@ -174,12 +178,15 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
         flops = 2 * M * k * (2 * I * H + H * I)
         c = min(M, CHECK_ROWS)
         ref = _reference(x[:c], w13, w2, weights[:c], ids[:c])
+        stream = {}
+        if M <= DECODE_MAX_M:
+            stream["stream_us_graph10"] = stream_floor_us(nbytes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cfg, origin = moe.moe_launch_config(E, H, I, DTYPE, M, k)
         base = dict(meta, shape=name, E=E, top_k=k, H=H, I=I, M=M, distinct_experts=distinct, bytes=nbytes,
                     flops=flops, config_source=Path(origin).name if origin.endswith(".json") else origin, config=json.dumps(cfg.model_dump(), sort_keys=True),
-                    **ceil)
+                    **ceil, **stream)
         graph = M <= GRAPH_MAX_M
         for pname, fn in provs.items():
             if pname == "hopperkern-nopdl" and M > moe.PDL_MAX_TOKENS:
@@ -198,6 +205,7 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
                     # without the one graph launch that a single-call replay (time_us) also pays.
                     row["time_us_graph10"] = graph_ms(lambda: fn(*args)) * 1e3
                     row["pct_copy_bw_graph10"] = 100 * nbytes / row["time_us_graph10"] / 1e3 / ceil["copy_gbs"]
+                    row["vs_stream_graph10"] = row["stream_us_graph10"] / row["time_us_graph10"]
                 row["pct_copy_bw"] = 100 * row["gbs"] / ceil["copy_gbs"] if M <= 256 else None
                 row["pct_cublas"] = 100 * row["tflops"] / ceil["cublas_bf16_tflops"] if M >= 1024 else None
                 log(f"{name} M={M} {pname}: {row['time_us']:.1f} us  err {row['rel_err']:.2e}")
@@ -222,6 +230,14 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
     del w13, w2
     torch.cuda.empty_cache()
     return rows
+
+
+def stream_floor_us(nbytes: int) -> float:
+    """Microseconds per call of one kernel that only reads ``nbytes`` bytes (torch.sum over a bf16 tensor of
+    that size), timed as :func:`graph_ms` times the decode rows (10 calls in a graph, L2 flushed before each):
+    the same-run floor of a decode call that streams those bytes of expert weights."""
+    data = torch.ones(max(1, nbytes // 2), dtype=torch.bfloat16, device=DEVICE)
+    return graph_ms(data.sum) * 1e3
 
 
 def check_grouped_mm_small() -> str:
@@ -299,13 +315,13 @@ def table(rows):
     from rich.table import Table
 
     t = Table(title="MoE (bf16): latency; % of copy bandwidth (M <= 256) / % of cuBLAS (M >= 1024), same run")
-    for col in ("shape", "M", "provider", "us", "us/call in 10", "%copy", "%copy in 10", "%cuBLAS", "x torch", "x best public",
-                "rel err", "config"):
+    for col in ("shape", "M", "provider", "us", "us/call in 10", "%copy", "%copy in 10", "x stream in 10", "%cuBLAS",
+                "x torch", "x best public", "rel err", "config"):
         t.add_column(col)
     for r in rows:
         f = (lambda key, fmt: (fmt % r[key]) if r.get(key) is not None else "-")
         t.add_row(r["shape"], str(r["M"]), r["provider"], f("time_us", "%.1f"), f("time_us_graph10", "%.1f"),
-                  f("pct_copy_bw", "%.0f"), f("pct_copy_bw_graph10", "%.0f"),
+                  f("pct_copy_bw", "%.0f"), f("pct_copy_bw_graph10", "%.0f"), f("vs_stream_graph10", "%.2f"),
                   f("pct_cublas", "%.0f"), f("speedup_vs_torch", "%.2f"), f("vs_best_public", "%.2f"),
                   f("rel_err", "%.1e"),
                   escape(r.get("error", r["config_source"] if r["provider"].startswith("hopperkern") else ""))[:40])

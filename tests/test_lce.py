@@ -523,6 +523,32 @@ def test_forward_vocab_splits(plan, mode, pick_label, monkeypatch):
     assert_close(lse, torch.logsumexp(z, -1), FP32_RTOL, "lse")
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("plan", [PLANS[0], PLANS[2]])
+def test_label_pick_skips_tiles_without_labels(plan, mode, monkeypatch):
+    """The forward's label pick runs only in the vocab tiles that hold a label of their rows: with labels
+    clustered (row block 0 all in tile 1; row block 1 only at the last column of tile 0 and the first of tile 3,
+    so each of those tiles holds one label, at its edge; row block 2 in the ragged tail tile and ignored), every
+    tile without a label adds nothing, every tile with one adds exactly the label's logit, and log p equals the
+    fp64 reference."""
+    monkeypatch.setattr(launch, "forward_plan", lambda *args: plan)
+    N, V, H = SHAPE
+    cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    inp = make_inputs(SHAPE)
+    labels = torch.empty(N, dtype=torch.int64)
+    labels[:16] = 16 + torch.arange(16) % 16          # tile 1 only
+    labels[16:32] = torch.tensor([15, 48] * 8)  # the last column of tile 0, the first of tile 3
+    labels[32:] = torch.tensor([V - 1, -100, 96, V - 1, -100])[: N - 32]  # tail tile (96..99) and ignored rows
+    loss, lp, _, lse = launch.lce_forward(inp.hidden, inp.weight, labels, None, launch.LceOptions(tma=mode),
+                                          config=cfg, pick_label=True)
+    z = ref.reference_logits(inp.hidden.double(), inp.weight.double(), None, None, 1.0)
+    logp = torch.log_softmax(z, -1)
+    want = torch.where(labels != -100, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
+    assert_close(lp, want, FP32_RTOL, "logprob")
+    assert_close(loss, -want, FP32_RTOL, "loss")
+    assert_close(lse, torch.logsumexp(z, -1), FP32_RTOL, "lse")
+
+
 def test_label_pick_only_when_a_backward_follows(monkeypatch):
     """The public functions pick the label's logit from the tiles exactly when autograd records the call
     (a backward will need p - 1 to full precision), and take the cheaper row dot product otherwise."""

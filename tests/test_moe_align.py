@@ -63,7 +63,9 @@ CASES = [
     Case(5, 16, 16, 16, "top-k = E: every token on every expert", "permutation"),
     Case(200, 4, 16, 64, "-1 slots dropped (about half)", "sparse"),
     Case(128, 8, 1000, 16, "one-launch path with many programs: several scatter sub-blocks and block tiles"),
-    Case(400, 8, 64, 128, "multi-chunk path (T*k > 1024), block_m 128"),
+    Case(256, 8, 128, 16, "one-launch path at its limit (T*k = 2048 = _SMALL_MAX_SLOTS)"),
+    Case(257, 8, 128, 16, "multi-chunk path just past it (T*k = 2056)"),
+    Case(400, 8, 64, 128, "multi-chunk path (T*k = 3200), block_m 128"),
     Case(2000, 3, 600, 16, "multi-chunk path, E=600 (E_P=1024: several scatter steps per chunk)"),
     Case(70000, 1, 16, 64, "T = 70000: beyond 64k tokens"),
 ]
@@ -104,7 +106,7 @@ def test_out_of_range_ids_are_dropped(device):
     assert int(plan.expert_counts.sum()) == 3
 
 
-@pytest.mark.parametrize("T, k", [(3, 2), (400, 4)], ids=["one-launch", "multi-chunk"])
+@pytest.mark.parametrize("T, k", [(3, 2), (600, 4)], ids=["one-launch", "multi-chunk"])
 def test_int64_ids_beyond_int32_are_dropped(T, k, device):
     """int64 ids are range-checked before the kernels narrow them to int32: 2**32 + 1 is dropped, not expert 1
     (and -2**32 + 2 not expert 2); both the one-launch and the multi-chunk kernels."""
@@ -141,7 +143,7 @@ def test_align_errors(bad, exc, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, k, E, block_m", [(1, 8, 256, 16), (64, 8, 128, 16), (16384, 8, 256, 128),
+@pytest.mark.parametrize("T, k, E, block_m", [(1, 8, 256, 16), (64, 8, 128, 16), (256, 8, 128, 32), (16384, 8, 256, 128),
                                                (65536, 8, 128, 64), (262144, 2, 8, 128)])
 def test_plan_invariants_gpu(T, k, E, block_m):
     gen = torch.Generator().manual_seed(T)

@@ -73,8 +73,8 @@ def lce_forward_kernel(
     label) keeps its precision. A label logit from a separate dot product (lce_label_logit_kernel, the no-grad
     path) differs from the tile's by the fp32 summation error (~1e-6): harmless in log p itself, but a relative
     error of ~1e-6 / (1 - p) in p - 1, 1 % at p = 0.9999, more than one bf16 rounding. The pick costs the
-    no-grad forward ~5-8 % on the H200 (one more [BLOCK_N, BLOCK_V] compare-select-sum per tile), so it is
-    only done for the backward.
+    no-grad forward ~5-8 % on the H200 (one more [BLOCK_N, BLOCK_V] compare-select-sum per tile) where every
+    tile pays it, so it is only done for the backward, and only in the tiles that hold a label of their rows.
 
     STORE_Z (the 3-pass SFT path with softcap, :mod:`hopperkern.lce.sft`): every tile's final fp32 logits are
     also written to ``z`` (columns >= V clipped), from which lce_sft_dlogits_kernel forms d(logits) once the LSE
@@ -144,7 +144,15 @@ def lce_forward_kernel(
         if NEED_SUMZ:
             sumz += tl.sum(zv, 1)
         if PICK_LABEL:
-            zl += tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == (labels - col0)[:, None], zv, 0.0), 1)
+            # Only the tiles that hold a row's label pay for the compare-select-sum (at 128 rows and 256-column
+            # tiles over V = 128256, about one tile in four): a row-vector test decides for the whole tile.
+            # (The branch yields a fresh value, not the loop-carried zl: triton 3.6's nested-loop fusion rejects an
+            # scf.if that yields a value carried by the flattened loop.)
+            local = labels - col0
+            picked = tl.zeros((BLOCK_N,), tl.float32)
+            if tl.max(((local >= 0) & (local < BLOCK_V)).to(tl.int32), 0) != 0:
+                picked = tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == local[:, None], zv, 0.0), 1)
+            zl += picked
         m = m_new
 
     out = split.to(tl.int64) * N + rows
