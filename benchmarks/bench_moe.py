@@ -15,10 +15,11 @@ Models (written next to the figures):
   FLOPs  = 2 * M * k * (2I*H + H*I)
   %copy  = bytes / time / copy bandwidth (reported for M <= 256; pct_copy_bw_graph10 from time_us_graph10);  %cuBLAS = FLOPs / time / cuBLAS bf16 rate
   (reported for M >= 1024). Both ceilings are measured in the same run (common.measure_ceilings).
-  stream_us_graph10 (M <= 64) = one kernel that only reads the case's bytes (torch.sum over a bf16 tensor of
-  ``bytes`` bytes), timed like time_us_graph10 (10-call graph, L2 flushed before each call); vs_stream_graph10 =
-  stream_us_graph10 / time_us_graph10. The copy bandwidth is measured on 1 GiB; a read of a few tens of MB after
-  an L2 flush reaches less of it, whatever reads it, and this floor says how much less in the same run.
+  stream_us_graph10 (M <= 64) = a streaming reference: torch.sum over a bf16 tensor of ``bytes`` bytes (one
+  kernel up to 2 GiB, two beyond), which only reads the case's bytes, timed like time_us_graph10 (10-call graph,
+  L2 flushed before each call); vs_stream_graph10 = stream_us_graph10 / time_us_graph10. The copy bandwidth is
+  measured on 1 GiB; a read of a few tens of MB after an L2 flush reaches less of it, and this reference says
+  how much a plain read gets in the same run. It is not a strict floor: a better streaming kernel can beat it.
 
     python -m benchmarks.bench_moe --out DIR [--quick] [--shapes qwen3-30B-A3B mixtral-8x7B ...]
     python -m benchmarks.bench_moe --plot-from benchmarks/results/moe_NVIDIA_H200.csv   # redraw, no GPU needed
@@ -180,7 +181,11 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
         ref = _reference(x[:c], w13, w2, weights[:c], ids[:c])
         stream = {}
         if M <= DECODE_MAX_M:
-            stream["stream_us_graph10"] = stream_floor_us(nbytes)
+            try:
+                stream["stream_us_graph10"] = stream_reference_us(nbytes)
+            except Exception as exc:  # a failing reference must not cost the case's rows
+                log(f"{name} M={M} stream reference: FAILED {type(exc).__name__}: {exc}"[:300])
+                torch.cuda.synchronize()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cfg, origin = moe.moe_launch_config(E, H, I, DTYPE, M, k)
@@ -205,7 +210,8 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
                     # without the one graph launch that a single-call replay (time_us) also pays.
                     row["time_us_graph10"] = graph_ms(lambda: fn(*args)) * 1e3
                     row["pct_copy_bw_graph10"] = 100 * nbytes / row["time_us_graph10"] / 1e3 / ceil["copy_gbs"]
-                    row["vs_stream_graph10"] = row["stream_us_graph10"] / row["time_us_graph10"]
+                    if "stream_us_graph10" in row:
+                        row["vs_stream_graph10"] = row["stream_us_graph10"] / row["time_us_graph10"]
                 row["pct_copy_bw"] = 100 * row["gbs"] / ceil["copy_gbs"] if M <= 256 else None
                 row["pct_cublas"] = 100 * row["tflops"] / ceil["cublas_bf16_tflops"] if M >= 1024 else None
                 log(f"{name} M={M} {pname}: {row['time_us']:.1f} us  err {row['rel_err']:.2e}")
@@ -232,10 +238,10 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
     return rows
 
 
-def stream_floor_us(nbytes: int) -> float:
-    """Microseconds per call of one kernel that only reads ``nbytes`` bytes (torch.sum over a bf16 tensor of
-    that size), timed as :func:`graph_ms` times the decode rows (10 calls in a graph, L2 flushed before each):
-    the same-run floor of a decode call that streams those bytes of expert weights."""
+def stream_reference_us(nbytes: int) -> float:
+    """Microseconds per call of torch.sum over a bf16 tensor of ``nbytes`` bytes (a plain read of them: one
+    kernel up to 2 GiB), timed as :func:`graph_ms` times the decode rows (10 calls in a graph, L2 flushed before
+    each): what a plain read of a decode call's expert weights gets in the same run."""
     data = torch.ones(max(1, nbytes // 2), dtype=torch.bfloat16, device=DEVICE)
     return graph_ms(data.sum) * 1e3
 

@@ -65,6 +65,7 @@ CASES = [
     Case(128, 8, 1000, 16, "one-launch path with many programs: several scatter sub-blocks and block tiles"),
     Case(256, 8, 128, 16, "one-launch path at its limit (T*k = 2048 = _SMALL_MAX_SLOTS)"),
     Case(257, 8, 128, 16, "multi-chunk path just past it (T*k = 2056)"),
+    Case(256, 8, 600, 16, "2048 slots over 600 experts (1024-bin histogram): the multi-chunk path"),
     Case(400, 8, 64, 128, "multi-chunk path (T*k = 3200), block_m 128"),
     Case(2000, 3, 600, 16, "multi-chunk path, E=600 (E_P=1024: several scatter steps per chunk)"),
     Case(70000, 1, 16, 64, "T = 70000: beyond 64k tokens"),
@@ -88,6 +89,21 @@ def _ids(case: Case, gen: torch.Generator, device) -> torch.Tensor:
 def test_plan_invariants(case, device):
     gen = torch.Generator().manual_seed(case.T * 31 + case.E)
     check_plan(_ids(case, gen, device), case.E, case.block_m)
+
+
+@pytest.mark.parametrize("slots, E, one", [(2048, 128, True), (2049, 128, False), (2048, 511, True),
+                                           (2048, 512, False), (1024, 2000, True), (1025, 2000, False)])
+def test_one_launch_limit(slots, E, one):
+    """One launch up to 2048 slots while the histogram (E + 1 bins as a power of two) has at most 512 bins, up to
+    1024 slots with a wider one; the plan's scratch and its launches agree on it."""
+    from hopperkern.moe import align
+
+    assert align._one_launch(slots, E) is one
+    assert (align.scratch_shapes(slots, E) == {}) is one
+    env = dict(ids=None, sorted_slots=None, block_expert=None, expert_offsets=None, expert_counts=None,
+               num_blocks=None, chunk_counts=None, base=None)
+    steps = align.align_steps(env, slots, E, 16, align.max_blocks_for(slots, E, 16))
+    assert len(steps) == (1 if one else 4)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

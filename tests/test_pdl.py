@@ -116,13 +116,14 @@ def test_pdl_off_under_the_interpreter_and_by_env(monkeypatch):
 
 
 def test_a_bad_hopperkern_pdl_raises_before_any_launch(monkeypatch):
-    """fused_moe builds its plan (where the variable is read) before it launches anything."""
+    """fused_moe builds its plan (where the variable is read) before it launches anything. The capability is the
+    real one with ``pdl`` on, so the plan's other decisions (tuning file, TMA) run as on this machine."""
+    import dataclasses
     import sys
 
-    class Fake:
-        pdl = True
-
-    monkeypatch.setattr(sys.modules["hopperkern.tma.capability"], "capability", lambda device=None: Fake())
+    module = sys.modules["hopperkern.tma.capability"]
+    real = module.capability
+    monkeypatch.setattr(module, "capability", lambda device=None: dataclasses.replace(real(device), pdl=True))
     monkeypatch.setenv("HOPPERKERN_PDL", "maybe")
     x, w13, w2, weights, ids = moe_inputs(2, E=8)
     with pytest.raises(ValueError, match="HOPPERKERN_PDL"):

@@ -178,8 +178,8 @@ def lce_label_logit_kernel(
 ):
     """z[n, label[n]] as a row-wise dot of h[n] with the gathered row w[label[n]]. Grid (cdiv(N, BLOCK_N),).
 
-    O(N*H) work, against O(N*V*H) for the logits: cheaper than picking the label out of every tile, which the
-    forward kernel does instead (PICK_LABEL) when a backward will follow (see lce_forward_kernel)."""
+    O(N*H) work, against O(N*V*H) for the logits: cheaper than picking the label out of the tiles that hold
+    it, which the forward kernel does instead (PICK_LABEL) when a backward will follow (see lce_forward_kernel)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int64)

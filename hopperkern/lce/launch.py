@@ -298,8 +298,8 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 
     ``pick_label`` (for a forward that a backward will follow): the label's logit comes from the same tiles as
     the log-sum-exp, so p - 1 of a confident prediction keeps its precision in the backward (see
-    ``lce_forward_kernel``); False takes it from a separate O(N*H) dot product, ~5-8 % faster, with log p
-    itself as accurate (~1e-6 absolute).
+    ``lce_forward_kernel``; only the vocab tiles that hold a label of their rows pay for it); False takes it
+    from a separate O(N*H) dot product, with log p itself as accurate (~1e-6 absolute).
 
     ``stats_only`` (N >= 1; the vocab-parallel path, :mod:`.distributed`, merges them across ranks): return the
     per-split statistics ``(m, s, t, sumz, zl)`` instead, each fp32 [S, N] (zl [1, N] without ``pick_label``),

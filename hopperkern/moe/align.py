@@ -44,10 +44,15 @@ from ._align_kernels import (
 __all__ = ["AlignPlan", "align_steps", "direct_plan", "empty_plan", "max_blocks_for", "moe_align", "plan_tensors", "prefer_direct",
            "scratch_shapes", "scratch_tensors"]
 
-# Up to this many slots the whole plan is one launch. Measured on the H200 (graph-timed fused_moe, same-run A/B):
-# at 2048 slots (256 tokens, top-8) the one launch is 1.3-1.8 % faster than the four of the multi-program path
-# for qwen3-30B-A3B and qwen3-235B-TP4 (level for deepseek-V3-TP8); at 8192 slots it is 6.5-10 % slower.
+# Up to this many slots the whole plan is one launch (_one_launch). Measured on the H200 (graph-timed fused_moe,
+# same-run A/B): at 2048 slots (256 tokens, top-8) the one launch is 1.3-1.8 % faster than the four of the
+# multi-program path for qwen3-30B-A3B and qwen3-235B-TP4 (level for deepseek-V3-TP8); at 8192 slots it is 6.5-10 %
+# slower. Beyond 1024 slots only while the histogram is at most _SMALL_WIDE_E_P bins wide: from 1024 bins (E >= 512)
+# the one-launch kernel spills registers at 2048 slots (ptxas: 64 at 1024 bins, 848 at 2048) and was measured
+# slower than the four launches (E = 1000: 20.4 against 18.2 us; E = 2000: 71.2 against 29.3 us).
 _SMALL_MAX_SLOTS = 2048
+_SMALL_NARROW_MAX_SLOTS = 1024  # the limit for wider histograms
+_SMALL_WIDE_E_P = 512
 _CHUNK = 1024            # slots per program of the multi-program path
 _BLOCK_B = 16            # row blocks per program when filling block_expert and padding
 _TILE_ELEMS = 4096       # size of the one-hot [SUB, E_P] tile of the scatter (registers per program)
@@ -131,8 +136,8 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
     """Build the :class:`AlignPlan` of ``topk_ids`` [T, k] (int32/int64) for ``num_experts`` experts and row
-    blocks of ``block_m`` (a power of two >= 16). One launch when T*k <= 2048 (``_SMALL_MAX_SLOTS``), four
-    otherwise; no host sync."""
+    blocks of ``block_m`` (a power of two >= 16). One launch up to 2048 slots (T*k; 1024 from 512 experts),
+    four otherwise; no host sync."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be 2-D, got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -173,9 +178,17 @@ def plan_tensors(plan: AlignPlan) -> dict:
                 expert_counts=plan.expert_counts, num_blocks=plan.num_blocks)
 
 
+def _one_launch(num_slots: int, E: int) -> bool:
+    """Whether the plan of ``num_slots`` slots over ``E`` experts is built in one launch (``_align_small_kernel``):
+    up to ``_SMALL_MAX_SLOTS`` slots while the histogram (E + 1 bins, rounded up to a power of two) is at most
+    ``_SMALL_WIDE_E_P`` wide, up to ``_SMALL_NARROW_MAX_SLOTS`` otherwise."""
+    limit = _SMALL_MAX_SLOTS if _pow2_at_least(E + 1, 32) <= _SMALL_WIDE_E_P else _SMALL_NARROW_MAX_SLOTS
+    return num_slots <= limit
+
+
 def scratch_shapes(num_slots: int, E: int) -> dict:
-    """Shapes of the multi-program alignment's scratch tensors (none up to ``_SMALL_MAX_SLOTS`` slots)."""
-    if num_slots <= _SMALL_MAX_SLOTS:
+    """Shapes of the multi-program alignment's scratch tensors (none where :func:`_one_launch`)."""
+    if _one_launch(num_slots, E):
         return {}
     shape = (cdiv(num_slots, _CHUNK), _pow2_at_least(E + 1, 32))
     return dict(chunk_counts=shape, base=shape)
@@ -187,7 +200,7 @@ def scratch_tensors(num_slots: int, E: int, device) -> dict:
 
 def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int) -> list:
     """The alignment launches of :func:`moe_align` as ``(Launch, tensor names)`` steps over ``env`` (ids,
-    :func:`plan_tensors`, :func:`scratch_shapes`' tensors): one when the slots fit one chunk, four otherwise."""
+    :func:`plan_tensors`, :func:`scratch_shapes`' tensors): one where :func:`_one_launch`, four otherwise."""
     e_p = _pow2_at_least(E + 1, 32)  # histogram bins: one per expert plus the "dropped" bin E; >= warp size
     sub = _scatter_step(e_p)
     block_b = _blocks_per_tile()
@@ -195,7 +208,7 @@ def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int
     def step(kernel, grid, names, *scalars, **kw):
         return Launch(kernel, grid, *[env[n] for n in names], *scalars, **kw), names
 
-    if num_slots <= _SMALL_MAX_SLOTS:
+    if _one_launch(num_slots, E):
         # >= 128 = 4 warps x 32 lanes, so no warp holds a replica of another's slots in the histogram input.
         chunk = _pow2_at_least(num_slots, 128)
         sub = min(sub, chunk)
