@@ -6,9 +6,10 @@ Slots are the flattened ``topk_ids`` positions ``s = t * top_k + j``. The slots 
 
 Two launch shapes share the same helpers:
 
-- small (all slots in one chunk, CHUNK >= num_slots; up to 2048 slots, see ``align._one_launch``): ONE launch. Every program histograms the whole chunk (at most
-  CHUNK ids) for the expert segments, then scatters its own sub-blocks of SUB slots and fills its own block
-  tiles, so no program walks the chunk serially (decode: one launch, a few microseconds);
+- small (all slots in one chunk, CHUNK >= num_slots; up to 2048 slots, see ``align._one_launch``): ONE launch.
+  Every program histograms the whole chunk (at most CHUNK ids) for the expert segments, then scatters its own
+  sub-blocks of SUB slots and fills its own block tiles, so no program walks the chunk serially (decode: one
+  launch, a few microseconds);
 - large: count (grid = chunks) -> scan (one program) -> scatter (grid = sub-blocks) -> blocks (grid = block
   tiles).
 
