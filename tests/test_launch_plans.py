@@ -151,6 +151,53 @@ def test_stale_plan_is_rebuilt(family, tmp_path):
     assert cache.get(key) is not plan and cache.get(key).fresh()
 
 
+def _three_pass_step(family, seed, mode):
+    """One differentiable 3-pass call (sum loss, or log-probs and entropies with per-token upstream gradients) and
+    its gradients, beside an fp64 autograd reference's: ((loss or outputs), grads, reference grads)."""
+    h, w, y = lce_inputs(seed=seed)
+    y[::5] = -100  # ignored tokens
+    gen = torch.Generator().manual_seed(seed + 100)
+    gl, ge = (torch.randn(h.shape[0], generator=gen).to(DEVICE) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (h, w)]
+    refs = [t.double().requires_grad_() for t in (h, w)]
+    if family == "sft":
+        out = lce.linear_cross_entropy(*leaves, y, reduction="sum", sft_path="3pass", tma=mode)
+        grads = torch.autograd.grad(out, leaves)
+        want = torch.autograd.grad(lce_ref.linear_cross_entropy(*refs, y, reduction="sum"), refs)
+    else:
+        lp, ent = lce.linear_logprobs_entropy(*leaves, y, grad_path="3pass", tma=mode)
+        grads = torch.autograd.grad((lp, ent), leaves, (gl, ge))
+        want = torch.autograd.grad(lce_ref.linear_logprobs_entropy(*refs, y), refs, (gl.double(), ge.double()))
+    return grads, want
+
+
+@pytest.mark.parametrize("family", ["sft", "rl"])
+def test_3pass_launches_are_bound_once_and_follow_hopperkern_tma(family, monkeypatch):
+    """The 3-pass paths' own launches (d(logits) from the kept exponentials) are built once per problem and serve
+    the next call's fresh tensors (each call's gradients right against fp64); a changed HOPPERKERN_TMA builds new
+    ones, and tma.last_decision reports each call's decision."""
+    from hopperkern.lce import sft
+
+    op = "lce.sft_dlogits" if family == "sft" else "lce.rl_dlogits"
+    for seed in (0, 1):
+        grads, want = _three_pass_step(family, seed, "auto")
+        for g, r in zip(grads, want):
+            assert rel(g, r) < 1e-5
+    assert len(sft._LAUNCHES) == 1
+    count = tma.decision_count(op)
+    _three_pass_step(family, 2, "auto")
+    assert len(sft._LAUNCHES) == 1 and tma.decision_count(op) == count + 1
+    monkeypatch.setenv("HOPPERKERN_TMA", "never")
+    grads, want = _three_pass_step(family, 3, "auto")
+    assert len(sft._LAUNCHES) == 2
+    assert tma.last_decision(op).mode == "never" and not any(tma.last_decision(op).use.values())
+    for g, r in zip(grads, want):
+        assert rel(g, r) < 1e-5
+    monkeypatch.delenv("HOPPERKERN_TMA")
+    _three_pass_step(family, 4, "always")
+    assert len(sft._LAUNCHES) == 3 and tma.last_decision(op).mode == "always"
+
+
 def test_moe_plan_reused_across_routings():
     """One fused_moe plan serves calls with new ids and weights (sorted and direct alignment), each right."""
     for T in (6, 1):

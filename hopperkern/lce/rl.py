@@ -43,6 +43,7 @@ import torch
 from .. import tma as _tma
 from .._host import cdiv
 from .._validate import check_choice
+from ..tma.launcher import Launch, alignment_key
 from ..tuning import KernelConfig
 from ._kernels import lce_exp_dlogits_kernel
 from .launch import DLOGITS_BUDGET, LceOptions, _dw_rows, lce_backward, lce_forward, pick_config
@@ -241,21 +242,30 @@ def _exp_dlogits(e, mt, labels1d, lse, entropy, logprob, grads, opts: LceOptions
     """d(logits) of the first e.shape[0] tokens from their kept exponentials (one ``lce_exp_dlogits_kernel``
     launch), in ``e`` itself with ``in_place`` (``mt`` then NaN), else in a new buffer like ``e``."""
     N = e.shape[0]
-    bn, bv = _BLOCKS_INTERPRETED if _tma.interpreter_active() else _BLOCKS
-    fwd_bv = forward_block_v(V, mt.shape[1])
-    bv = min(bv, fwd_bv)
-    d = _tma.decide(opts.tma, {"dlogits": (e, (bn, bv))}, op=_RL_OP, auto_pointer=_FIXUP_POINTER)
-    flags = dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), (g is not None for g in grads)))
     dl = e if in_place else torch.empty_like(e)
-    lce_exp_dlogits_kernel[(cdiv(N, bn), cdiv(V, bv))](
-        e, dl, mt, labels1d, lse, entropy, *(g if g is not None else lse for g in grads), logprob,
-        N, V, e.stride(0), dl.stride(0), mt.stride(0), opts.ignore_index, float(opts.label_smoothing),
-        float(opts.z_loss), opts.inv_temp, BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv, **flags, D_TMA=d["dlogits"],
-    )
+    flags = tuple(g is not None for g in grads)
+    tensors = (e, dl, mt, labels1d, lse, entropy, *(g if g is not None else lse for g in grads), logprob)
+    key = ("rl_dlogits", e.device, e.dtype, labels1d.dtype, N, V, e.stride(0), dl.stride(0), mt.stride(0),
+           mt.shape[1], flags, opts, *_sft._launch_env(), alignment_key(*tensors))
+    _sft.cached_launch(key, lambda: _exp_dlogits_launch(tensors, N, V, flags, opts))(*tensors)
     if in_place:
         # mt has served: poisoned, so that a second use of the pair gives NaN gradients, never plausible ones.
         mt.fill_(float("nan"))
     return dl
+
+
+def _exp_dlogits_launch(tensors, N: int, V: int, flags: tuple, opts: LceOptions):
+    """:func:`~.sft.cached_launch`'s build of ``lce_exp_dlogits_kernel`` (see :func:`_exp_dlogits`)."""
+    e, dl, mt = tensors[:3]
+    bn, bv = _BLOCKS_INTERPRETED if _tma.interpreter_active() else _BLOCKS
+    fwd_bv = forward_block_v(V, mt.shape[1])
+    bv = min(bv, fwd_bv)
+    d = _tma.decide(opts.tma, {"dlogits": (e, (bn, bv))}, op=_RL_OP, auto_pointer=_FIXUP_POINTER, record=False)
+    launch = Launch(lce_exp_dlogits_kernel, (cdiv(N, bn), cdiv(V, bv)), *tensors, N, V, e.stride(0), dl.stride(0),
+                    mt.stride(0), opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), opts.inv_temp,
+                    BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv,
+                    **dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), flags)), D_TMA=d["dlogits"])
+    return launch, d
 
 
 def _mixed_backward(hidden2d, weight, labels1d, e, mt, lse, entropy, logprob, grads, opts: LceOptions,

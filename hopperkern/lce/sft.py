@@ -66,6 +66,7 @@ import torch
 from .. import tma as _tma
 from .._host import cdiv
 from .._validate import check_choice, dot_precision
+from ..tma.launcher import Launch, PlanCache, alignment_key, env_key
 from ..tuning import KernelConfig
 from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel, lce_split_finalize_kernel
 from .launch import LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32, lce_forward, pick_config
@@ -93,6 +94,29 @@ LOGITS_CHUNK_BUDGET = 256 * 2**20  # bytes of the forward's fp32 [C, V] logits o
 LOGITS_CHUNK_MAX = 2**30  # and at most: a chunk takes what the memory budget leaves beside the kept d(logits)
 DW_SLICE_BUDGET = 32 * 2**20  # bytes of the backward's fp32 [Vs, H] d_weight slice (small enough to stay in L2)
 _SFT_OP = "lce.sft_dlogits"  # the d(logits) launch's name in tma.last_decision
+# The 3-pass paths' own launches (d(logits) from logits or exponentials, d_weight, the split sum's rounding, and
+# rl's d(logits) from exponentials), each bound once per problem: key -> (Launch, its TMA decision or None).
+_LAUNCHES = PlanCache("lce.3pass")
+
+
+def cached_launch(key: tuple, build) -> Launch:
+    """The :class:`~hopperkern.tma.launcher.Launch` of ``key`` (``build()`` -> ``(Launch, TmaDecision or None)`` on
+    first use), its decision recorded for this call as a fresh one would be (``tma.last_decision``). Keys hold the
+    launch's name, the device, the effective ``HOPPERKERN_*`` environment (:func:`~hopperkern.tma.launcher.env_key`),
+    whether the interpreter runs, and whatever else fixes the launch: dtypes, sizes, strides, options, the tensors'
+    16-byte alignment (:func:`~hopperkern.tma.launcher.alignment_key`). After its first call a bound launch hands
+    the compiled kernel's C launcher the tensors' addresses (no Triton launch path, no TMA decision per call)."""
+    entry = _LAUNCHES.get(key)
+    if entry is None:
+        entry = _LAUNCHES.put(key, build())
+    if entry[1] is not None:
+        _tma.record_decision(entry[1])
+    return entry[0]
+
+
+def _launch_env() -> tuple:
+    """The part of every :func:`cached_launch` key that the process state decides."""
+    return env_key(), _tma.interpreter_active()
 
 
 def padded_cols(V: int) -> int:
@@ -295,21 +319,30 @@ def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scal
         C = min(N, chunk_rows(V, cfg.block_m, chunk_bytes(N, V, H, hidden2d.element_size())))
         z = torch.empty((C, padded_cols(V)), dtype=torch.float32, device=hidden2d.device)
     C = z.shape[0]
-    bn, bv = _row_blocks()
-    d = _tma.decide(opts.tma, {"logits": (z, (bn, bv)), "dlogits": (dl, (bn, bv))}, op=_SFT_OP)
-    scal = (*_sft_scalars(opts), float(opts.softcap or 1.0), opts.inv_temp)
     losses = []
     for c0 in range(0, N, C):
         rows = min(C, N - c0)
         lab = labels1d[c0:c0 + rows]
         loss, logprob, _, lse = lce_forward(hidden2d[c0:c0 + rows], weight, lab, bias, opts, need_entropy=False,
                                             config=cfg, pick_label=True, z_out=z)
-        lce_sft_dlogits_kernel[(cdiv(rows, bn), cdiv(V, bv))](
-            z, lab, lse, logprob, scale, dl[c0:], rows, V, z.stride(0), dl.stride(0), *scal,
-            BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=bool(opts.softcap), Z_TMA=d["logits"], D_TMA=d["dlogits"],
-        )
+        out = dl[c0:]
+        tensors = (z, lab, lse, logprob, scale, out)
+        key = ("dlogits", z.device, z.dtype, out.dtype, lab.dtype, rows, V, z.stride(0), out.stride(0), opts,
+               *_launch_env(), alignment_key(*tensors))
+        cached_launch(key, lambda: _dlogits_launch(tensors, rows, V, opts))(*tensors)
         losses.append(loss.sum())
     return torch.stack(losses).sum()
+
+
+def _dlogits_launch(tensors, rows: int, V: int, opts: LceOptions):
+    """:func:`cached_launch`'s build of ``lce_sft_dlogits_kernel`` over ``rows`` tokens of fp32 logits."""
+    z, out = tensors[0], tensors[-1]
+    bn, bv = _row_blocks()
+    d = _tma.decide(opts.tma, {"logits": (z, (bn, bv)), "dlogits": (out, (bn, bv))}, op=_SFT_OP, record=False)
+    launch = Launch(lce_sft_dlogits_kernel, (cdiv(rows, bn), cdiv(V, bv)), *tensors, rows, V, z.stride(0),
+                    out.stride(0), *_sft_scalars(opts), float(opts.softcap or 1.0), opts.inv_temp,
+                    BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=bool(opts.softcap), Z_TMA=d["logits"], D_TMA=d["dlogits"])
+    return launch, d
 
 
 def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, mt=None) -> torch.Tensor:
@@ -323,14 +356,24 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
         mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=hidden2d.device)
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
                                         pick_label=True, e_out=(dl, mt))
-    bn, bv = _FIXUP_BLOCKS_INTERPRETED if _tma.interpreter_active() else _FIXUP_BLOCKS
-    bv = min(bv, cfg.block_n)
-    d = _tma.decide(opts.tma, {"dlogits": (dl, (bn, bv))}, op=_SFT_OP, auto_pointer=_FIXUP_POINTER)
-    lce_sft_fixup_kernel[(cdiv(N, bn), cdiv(V, bv))](
-        dl, mt, labels1d, lse, logprob, scale, N, V, dl.stride(0), mt.stride(0), *_sft_scalars(opts), opts.inv_temp,
-        BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=cfg.block_n, D_TMA=d["dlogits"],
-    )
+    tensors = (dl, mt, labels1d, lse, logprob, scale)
+    key = ("fixup", dl.device, dl.dtype, labels1d.dtype, N, V, dl.stride(0), mt.stride(0), cfg.block_n, opts,
+           *_launch_env(), alignment_key(*tensors))
+    cached_launch(key, lambda: _fixup_launch(tensors, N, V, cfg.block_n, opts))(*tensors)
     return loss.sum()
+
+
+def _fixup_launch(tensors, N: int, V: int, fwd_block_v: int, opts: LceOptions):
+    """:func:`cached_launch`'s build of the in-place ``lce_sft_fixup_kernel`` (exponentials of vocab tiles
+    ``fwd_block_v`` wide)."""
+    dl, mt = tensors[:2]
+    bn, bv = _FIXUP_BLOCKS_INTERPRETED if _tma.interpreter_active() else _FIXUP_BLOCKS
+    bv = min(bv, fwd_block_v)
+    d = _tma.decide(opts.tma, {"dlogits": (dl, (bn, bv))}, op=_SFT_OP, auto_pointer=_FIXUP_POINTER, record=False)
+    launch = Launch(lce_sft_fixup_kernel, (cdiv(N, bn), cdiv(V, bv)), *tensors, N, V, dl.stride(0), mt.stride(0),
+                    *_sft_scalars(opts), opts.inv_temp, BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_block_v,
+                    D_TMA=d["dlogits"])
+    return launch, d
 
 
 class DwTiles(NamedTuple):
@@ -395,32 +438,43 @@ def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: tor
     V = d_w.shape[0]
     t = tiles or dweight_tiles(H, lo is not None)
     out = d_w if lo is None else d_w.view(torch.int16)
+    tensors = (dl, hidden2d, g, out, out if lo is None else lo)
+    key = ("dweight", dl.device, dl.dtype, N, V, H, dl.stride(0), hidden2d.stride(), out.stride(0), lo is None,
+           bool(accumulate), t, tma, *_launch_env(), alignment_key(*tensors))
+    cached_launch(key, lambda: _dweight_launch(tensors, N, V, H, t, tma, lo is not None, accumulate))(*tensors)
+
+
+def _dweight_launch(tensors, N: int, V: int, H: int, t: DwTiles, tma: str, split: bool, accumulate: bool):
+    """:func:`cached_launch`'s build of ``lce_dweight_kernel`` (see :func:`_dweight`)."""
+    dl, hidden2d, _, out, lo = tensors
     box = (t.block_v, t.block_h // t.epi_sub)
     operands = {"dlogits": (dl, (t.block_k, t.block_v)), "hidden": (hidden2d, (t.block_k, t.block_h))}
     if t.epi_tma:
         operands["dweight"] = (out, box)
-        if lo is not None:
+        if split:
             operands["dweight_lo"] = (lo, box)
-    d = _tma.decide(tma, operands, op=_DW_OP)
+    d = _tma.decide(tma, operands, op=_DW_OP, record=False)
     o_tma = d.use.get("dweight", False) and d.use.get("dweight_lo", True)
-    if lo is not None and t.epi_tma and d.use["dweight"] != d.use["dweight_lo"]:
+    if split and t.epi_tma and d.use["dweight"] != d.use["dweight_lo"]:
         # One flag serves both halves: pointers for both, and a decision that says so.
-        d = _tma.decide(tma, {k: v for k, v in operands.items() if not k.startswith("dweight")}, op=_DW_OP)
+        d = _tma.decide(tma, {k: v for k, v in operands.items() if not k.startswith("dweight")}, op=_DW_OP,
+                        record=False)
     tiles_total = cdiv(V, t.block_v) * cdiv(H, t.block_h)
     if not t.persistent:
         programs = 0
     elif _tma.interpreter_active():
         programs = min(tiles_total, _DW_PROGRAMS_INTERPRETED)
     else:
-        programs = min(tiles_total, _sm_count(d_w.device))
-    lce_dweight_kernel[(programs or tiles_total,)](
-        dl, hidden2d, g, out, out if lo is None else lo, N, V, H, dl.stride(0), hidden2d.stride(0),
-        hidden2d.stride(1), d_w.stride(0),
+        programs = min(tiles_total, _sm_count(dl.device))
+    launch = Launch(
+        lce_dweight_kernel, (programs or tiles_total,), *tensors, N, V, H, dl.stride(0), hidden2d.stride(0),
+        hidden2d.stride(1), out.stride(0),
         BLOCK_V=t.block_v, BLOCK_H=t.block_h, BLOCK_K=t.block_k, GROUP_V=t.group, D_TMA=d["dlogits"],
         H_TMA=d["hidden"], O_TMA=o_tma, DOT_PRECISION=dot_precision(hidden2d.dtype),
-        SPLIT=0 if lo is None else 1 + accumulate, EPI_SUB=t.epi_sub, NUM_PROGRAMS=programs, FLATTEN=t.flatten,
+        SPLIT=0 if not split else 1 + accumulate, EPI_SUB=t.epi_sub, NUM_PROGRAMS=programs, FLATTEN=t.flatten,
         num_warps=t.warps, num_stages=t.stages,
     )
+    return launch, d
 
 
 _FINALIZE_BLOCK = 1024
@@ -431,8 +485,10 @@ def _finalize_split(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, out: to
     tensor) and lower halves in ``lo`` (int16); ``out`` may be ``hi`` itself. One launch."""
     n = hi.numel()
     if n:
-        lce_split_finalize_kernel[(cdiv(n, _FINALIZE_BLOCK),)](hi.view(torch.int16), lo, g.reshape(1), out, n,
-                                                               BLOCK=_FINALIZE_BLOCK)
+        tensors = (hi.view(torch.int16), lo, g.reshape(1), out)
+        key = ("finalize", out.device, out.dtype, n, *_launch_env(), alignment_key(*tensors))
+        cached_launch(key, lambda: (Launch(lce_split_finalize_kernel, (cdiv(n, _FINALIZE_BLOCK),), *tensors, n,
+                                           BLOCK=_FINALIZE_BLOCK), None))(*tensors)
     return out
 
 
