@@ -119,6 +119,12 @@ def _launch_env() -> tuple:
     return env_key(), _tma.interpreter_active()
 
 
+def _tensors_key(tensors) -> tuple:
+    """The part of a :func:`cached_launch` key that the launch's tensors decide beyond sizes and strides: their
+    dtypes (a launch is bound for them) and 16-byte alignment."""
+    return tuple(t.dtype for t in tensors), alignment_key(*tensors)
+
+
 def padded_cols(V: int) -> int:
     """Row pitch of the kept d(logits) and of the logits scratch: 128-byte aligned rows for TMA."""
     return cdiv(V, 64) * 64
@@ -327,8 +333,8 @@ def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scal
                                             config=cfg, pick_label=True, z_out=z)
         out = dl[c0:]
         tensors = (z, lab, lse, logprob, scale, out)
-        key = ("dlogits", z.device, z.dtype, out.dtype, lab.dtype, rows, V, z.stride(0), out.stride(0), opts,
-               *_launch_env(), alignment_key(*tensors))
+        key = ("dlogits", z.device, rows, V, z.stride(0), out.stride(0), opts, *_launch_env(),
+               *_tensors_key(tensors))
         cached_launch(key, lambda: _dlogits_launch(tensors, rows, V, opts))(*tensors)
         losses.append(loss.sum())
     return torch.stack(losses).sum()
@@ -357,8 +363,8 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
                                         pick_label=True, e_out=(dl, mt))
     tensors = (dl, mt, labels1d, lse, logprob, scale)
-    key = ("fixup", dl.device, dl.dtype, labels1d.dtype, N, V, dl.stride(0), mt.stride(0), cfg.block_n, opts,
-           *_launch_env(), alignment_key(*tensors))
+    key = ("fixup", dl.device, N, V, dl.stride(0), mt.stride(0), cfg.block_n, opts, *_launch_env(),
+           *_tensors_key(tensors))
     cached_launch(key, lambda: _fixup_launch(tensors, N, V, cfg.block_n, opts))(*tensors)
     return loss.sum()
 
@@ -439,8 +445,8 @@ def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: tor
     t = tiles or dweight_tiles(H, lo is not None)
     out = d_w if lo is None else d_w.view(torch.int16)
     tensors = (dl, hidden2d, g, out, out if lo is None else lo)
-    key = ("dweight", dl.device, dl.dtype, N, V, H, dl.stride(0), hidden2d.stride(), out.stride(0), lo is None,
-           bool(accumulate), t, tma, *_launch_env(), alignment_key(*tensors))
+    key = ("dweight", dl.device, N, V, H, dl.stride(0), hidden2d.stride(), out.stride(0), lo is None,
+           bool(accumulate), t, tma, *_launch_env(), *_tensors_key(tensors))
     cached_launch(key, lambda: _dweight_launch(tensors, N, V, H, t, tma, lo is not None, accumulate))(*tensors)
 
 
@@ -486,7 +492,7 @@ def _finalize_split(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, out: to
     n = hi.numel()
     if n:
         tensors = (hi.view(torch.int16), lo, g.reshape(1), out)
-        key = ("finalize", out.device, out.dtype, n, *_launch_env(), alignment_key(*tensors))
+        key = ("finalize", out.device, n, *_launch_env(), *_tensors_key(tensors))
         cached_launch(key, lambda: (Launch(lce_split_finalize_kernel, (cdiv(n, _FINALIZE_BLOCK),), *tensors, n,
                                            BLOCK=_FINALIZE_BLOCK), None))(*tensors)
     return out
