@@ -335,6 +335,7 @@ class Launch:
         return True
 
     def _slow(self, tensors) -> None:
+        ensure_allocator()  # descriptor scratch in this thread's context, as a decision made now would install it
         args = self.template.copy()
         for p, t, dt in zip(self.tensor_pos, tensors, self.dtypes):
             if t.dtype != dt:
