@@ -43,7 +43,7 @@ import torch
 from .. import tma as _tma
 from .._host import cdiv
 from .._validate import check_choice
-from ..tma.launcher import Launch
+from ..tma.launcher import Launch, state_key, tensors_key
 from ..tuning import KernelConfig
 from ._kernels import lce_exp_dlogits_kernel
 from .launch import DLOGITS_BUDGET, LceOptions, _dw_rows, lce_backward, lce_forward, pick_config
@@ -246,7 +246,7 @@ def _exp_dlogits(e, mt, labels1d, lse, entropy, logprob, grads, opts: LceOptions
     flags = tuple(g is not None for g in grads)
     tensors = (e, dl, mt, labels1d, lse, entropy, *(g if g is not None else lse for g in grads), logprob)
     key = ("rl_dlogits", e.device, N, V, e.stride(0), dl.stride(0), mt.stride(0), mt.shape[1], flags, opts,
-           *_sft._launch_env(), *_sft._tensors_key(tensors))
+           *state_key(), *tensors_key(tensors))
     _sft.cached_launch(key, lambda: _exp_dlogits_launch(tensors, N, V, flags, opts))(*tensors)
     if in_place:
         # mt has served: poisoned, so that a second use of the pair gives NaN gradients, never plausible ones.

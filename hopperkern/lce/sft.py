@@ -66,7 +66,7 @@ import torch
 from .. import tma as _tma
 from .._host import cdiv
 from .._validate import check_choice, dot_precision
-from ..tma.launcher import Launch, PlanCache, alignment_key, env_key
+from ..tma.launcher import Launch, LaunchCache, state_key, tensors_key
 from ..tuning import KernelConfig
 from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel, lce_split_finalize_kernel
 from .launch import LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32, lce_forward, pick_config
@@ -95,34 +95,9 @@ LOGITS_CHUNK_MAX = 2**30  # and at most: a chunk takes what the memory budget le
 DW_SLICE_BUDGET = 32 * 2**20  # bytes of the backward's fp32 [Vs, H] d_weight slice (small enough to stay in L2)
 _SFT_OP = "lce.sft_dlogits"  # the d(logits) launch's name in tma.last_decision
 # The 3-pass paths' own launches (d(logits) from logits or exponentials, d_weight, the split sum's rounding, and
-# rl's d(logits) from exponentials), each bound once per problem: key -> (Launch, its TMA decision or None).
-_LAUNCHES = PlanCache("lce.3pass")
-
-
-def cached_launch(key: tuple, build) -> Launch:
-    """The :class:`~hopperkern.tma.launcher.Launch` of ``key`` (``build()`` -> ``(Launch, TmaDecision or None)`` on
-    first use), its decision recorded for this call as a fresh one would be (``tma.last_decision``). Keys hold the
-    launch's name, the device, the effective ``HOPPERKERN_*`` environment (:func:`~hopperkern.tma.launcher.env_key`),
-    whether the interpreter runs, and whatever else fixes the launch: dtypes, sizes, strides, options, the tensors'
-    16-byte alignment (:func:`~hopperkern.tma.launcher.alignment_key`). After its first call a bound launch hands
-    the compiled kernel's C launcher the tensors' addresses (no Triton launch path, no TMA decision per call)."""
-    entry = _LAUNCHES.get(key)
-    if entry is None:
-        entry = _LAUNCHES.put(key, build())
-    if entry[1] is not None:
-        _tma.record_decision(entry[1])
-    return entry[0]
-
-
-def _launch_env() -> tuple:
-    """The part of every :func:`cached_launch` key that the process state decides."""
-    return env_key(), _tma.interpreter_active()
-
-
-def _tensors_key(tensors) -> tuple:
-    """The part of a :func:`cached_launch` key that the launch's tensors decide beyond sizes and strides: their
-    dtypes (a launch is bound for them) and 16-byte alignment."""
-    return tuple(t.dtype for t in tensors), alignment_key(*tensors)
+# rl's d(logits) from exponentials), each bound once per problem (see LaunchCache.launch for what keys hold).
+_LAUNCHES = LaunchCache("lce.3pass")
+cached_launch = _LAUNCHES.launch
 
 
 def padded_cols(V: int) -> int:
@@ -333,8 +308,8 @@ def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scal
                                             config=cfg, pick_label=True, z_out=z)
         out = dl[c0:]
         tensors = (z, lab, lse, logprob, scale, out)
-        key = ("dlogits", z.device, rows, V, z.stride(0), out.stride(0), opts, *_launch_env(),
-               *_tensors_key(tensors))
+        key = ("dlogits", z.device, rows, V, z.stride(0), out.stride(0), opts, *state_key(),
+               *tensors_key(tensors))
         cached_launch(key, lambda: _dlogits_launch(tensors, rows, V, opts))(*tensors)
         losses.append(loss.sum())
     return torch.stack(losses).sum()
@@ -363,8 +338,8 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
                                         pick_label=True, e_out=(dl, mt))
     tensors = (dl, mt, labels1d, lse, logprob, scale)
-    key = ("fixup", dl.device, N, V, dl.stride(0), mt.stride(0), cfg.block_n, opts, *_launch_env(),
-           *_tensors_key(tensors))
+    key = ("fixup", dl.device, N, V, dl.stride(0), mt.stride(0), cfg.block_n, opts, *state_key(),
+           *tensors_key(tensors))
     cached_launch(key, lambda: _fixup_launch(tensors, N, V, cfg.block_n, opts))(*tensors)
     return loss.sum()
 
@@ -446,7 +421,7 @@ def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: tor
     out = d_w if lo is None else d_w.view(torch.int16)
     tensors = (dl, hidden2d, g, out, out if lo is None else lo)
     key = ("dweight", dl.device, N, V, H, dl.stride(0), hidden2d.stride(), out.stride(0), lo is None,
-           bool(accumulate), t, tma, *_launch_env(), *_tensors_key(tensors))
+           bool(accumulate), t, tma, *state_key(), *tensors_key(tensors))
     cached_launch(key, lambda: _dweight_launch(tensors, N, V, H, t, tma, lo is not None, accumulate))(*tensors)
 
 
@@ -492,7 +467,7 @@ def _finalize_split(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, out: to
     n = hi.numel()
     if n:
         tensors = (hi.view(torch.int16), lo, g.reshape(1), out)
-        key = ("finalize", out.device, n, *_launch_env(), *_tensors_key(tensors))
+        key = ("finalize", out.device, n, *state_key(), *tensors_key(tensors))
         cached_launch(key, lambda: (Launch(lce_split_finalize_kernel, (cdiv(n, _FINALIZE_BLOCK),), *tensors, n,
                                            BLOCK=_FINALIZE_BLOCK), None))(*tensors)
     return out

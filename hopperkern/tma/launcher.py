@@ -30,11 +30,11 @@ import threading
 
 from .._host import round_up
 from .capability import _numbers, _triton_version, interpreter_active
-from .descriptors import ensure_allocator
+from .descriptors import ensure_allocator, record_decision
 
-__all__ = ["Launch", "Plan", "PlanCache", "alignment_key", "chain_launches", "clear_plans", "current_device",
+__all__ = ["Launch", "LaunchCache", "Plan", "PlanCache", "alignment_key", "chain_launches", "clear_plans", "current_device",
            "direct_launch_supported", "env_key", "launch_at", "launch_state", "pdl_enabled", "run_direct", "run_steps",
-           "scratch_offsets", "PIECE_ALIGN"]
+           "scratch_offsets", "state_key", "tensors_key", "PIECE_ALIGN"]
 
 PIECE_ALIGN = 128  # bytes: where every piece of a plan's per-call allocation starts (TMA's and any binary's need)
 
@@ -191,6 +191,37 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+class LaunchCache(PlanCache):
+    """``key -> (Launch, TmaDecision or None)``: single launches bound once per problem, for ops whose launches
+    are not part of one plan (:meth:`launch`)."""
+
+    __slots__ = ()
+
+    def launch(self, key: tuple, build) -> Launch:
+        """The :class:`Launch` of ``key`` (``build()`` -> ``(Launch, TmaDecision or None)`` on first use), its
+        decision recorded for this call as a fresh one would be (``tma.last_decision``). Keys hold the launch's
+        name, the device, :func:`state_key`, and whatever else fixes the launch: sizes, strides, options and
+        :func:`tensors_key` of its tensors. After its first call a bound launch hands the compiled kernel's C
+        launcher the tensors' addresses (no Triton launch path, no TMA decision per call)."""
+        entry = self._plans.get(key)
+        if entry is None:
+            entry = self.put(key, build())
+        if entry[1] is not None:
+            record_decision(entry[1])
+        return entry[0]
+
+
+def state_key() -> tuple:
+    """The part of a launch key that the process state decides: :func:`env_key` and whether the interpreter runs."""
+    return env_key(), interpreter_active()
+
+
+def tensors_key(tensors) -> tuple:
+    """The part of a launch key that the launch's tensors decide beyond sizes and strides: their dtypes (a launch
+    is bound for them) and 16-byte alignment (:func:`alignment_key`)."""
+    return tuple(t.dtype for t in tensors), alignment_key(*tensors)
 
 
 def clear_plans() -> None:
