@@ -485,13 +485,79 @@ def test_several_vocab_slices_in_backward(mode, monkeypatch):
                                              (131072, 151936, 132), (17000, 128256, 132)])
 def test_forward_plan_invariants(N, V, sm_count):
     """Whatever the split heuristic: every vocab tile in exactly one split, no empty split, the per-split
-    statistics within STATS_BUDGET and splits of at least _MIN_SPLIT_COLS columns (or a single split)."""
+    statistics within STATS_BUDGET and splits of at least _MIN_SPLIT_COLS columns (or a single split), unless
+    more splits are needed to give every SM a program."""
     for cfg in (KernelConfig(block_m=16, block_n=32, block_k=32), KernelConfig(block_m=128, block_n=256, block_k=64)):
         S, tps = launch.forward_plan(N, V, cfg, sm_count)
         num_vt = -(-V // cfg.block_n)
+        num_rb = -(-N // cfg.block_m)
         assert S >= 1 and tps >= 1 and (S - 1) * tps < num_vt <= S * tps, (S, tps, num_vt)
         assert S == 1 or 20 * S * N <= launch.STATS_BUDGET
-        assert S == 1 or V // S >= launch._MIN_SPLIT_COLS, "each split must cover at least _MIN_SPLIT_COLS columns"
+        assert S == 1 or V // S >= launch._MIN_SPLIT_COLS or num_rb * S <= sm_count + num_rb, \
+            "each split must cover at least _MIN_SPLIT_COLS columns unless SMs would be left without a program"
+
+
+def _waves_cost(N, V, cfg, sm_count, S, tps):
+    """forward_plan's estimate of a plan's time: waves of programs times (tiles per program + start-up)."""
+    num_rb = -(-N // cfg.block_m)
+    return -(-num_rb * S // sm_count) * (tps + launch._PROGRAM_COST)
+
+
+def _cap_plan(N, V, cfg, sm_count):
+    """The split plan of forward_plan's cap alone: the most splits its limits allow."""
+    num_rb, num_vt = -(-N // cfg.block_m), -(-V // cfg.block_n)
+    s_max = max(1, min(num_vt, launch.STATS_BUDGET // (20 * N)))
+    cap = max(1, min(s_max, max(V // launch._MIN_SPLIT_COLS, -(-sm_count // num_rb)),
+                     -(-launch._TARGET_WAVES * sm_count // num_rb)))
+    tps = -(-num_vt // cap)
+    return cap, -(-num_vt // tps), tps
+
+
+@pytest.mark.parametrize("N, V", [(1937, 152064), (2169, 151936), (8192, 128256), (16384, 152064), (32768, 128256),
+                                  (256, 128256), (2048, 128256), (3072, 128256), (37, 100)])
+def test_forward_plan_fills_waves(N, V):
+    """Where the cap's plan runs in at most _FEW_WAVES waves, the split plan is the cheapest of every split count
+    from the cap down to half of it by the estimate waves * (tiles per split + start-up), so never worse than the
+    cap's plan, whose last wave may hold a few programs; with more waves, or for forwards that store per logit
+    (weigh_waves=False), it is the cap's plan. At 1937 x 3584 x 152064 on 132 SMs: 33 splits of 36 tiles (four
+    full waves) where the cap's 36 splits of 33 tiles need a fifth wave for 48 programs; at 256 tokens (2 row
+    blocks) every SM but 6 gets a program."""
+    cfg = KernelConfig(block_m=128, block_n=128, block_k=64)
+    num_rb, num_vt = -(-N // 128), -(-V // 128)
+    cap, cap_S, cap_tps = _cap_plan(N, V, cfg, 132)
+    assert launch.forward_plan(N, V, cfg, 132, False) == (cap_S, cap_tps)
+    S, tps = launch.forward_plan(N, V, cfg, 132)
+    if -(-num_rb * cap_S // 132) > launch._FEW_WAVES:
+        assert (S, tps) == (cap_S, cap_tps)
+        return
+    cost = _waves_cost(N, V, cfg, 132, S, tps)
+    for s in range(cap, (cap - 1) // 2, -1):
+        t = -(-num_vt // s)
+        assert cost <= _waves_cost(N, V, cfg, 132, -(-num_vt // t), t), (N, V, s, (S, tps))
+    assert cost <= _waves_cost(N, V, cfg, 132, cap_S, cap_tps)
+    if (N, V) == (1937, 152064):
+        assert (S, tps) == (33, 36) and (cap_S, cap_tps) == (36, 33) and num_rb * S == 4 * 132
+    if N == 256:
+        assert (S, tps) == (63, 16) and num_rb * S == 126
+
+
+def test_forward_plan_weighs_waves_only_without_stores(monkeypatch):
+    """lce_forward asks forward_plan to weigh the last wave's fill only for forwards that store nothing per logit
+    (the 3-pass paths' forwards that store exponentials or logits keep the cap's plan)."""
+    asked = []
+    real = launch.forward_plan
+    monkeypatch.setattr(launch, "forward_plan", lambda *args: asked.append(args) or real(*args))
+    N, V, H = 40, 48, 32
+    h = torch.randn(N, H, device=DEVICE)
+    w = torch.randn(V, H, device=DEVICE)
+    y = torch.randint(0, V, (N,), device=DEVICE)
+    cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    opts = launch.LceOptions()
+    launch.lce_forward(h, w, y, None, opts, config=cfg)
+    launch.lce_forward(h, w, y, None, opts, config=cfg, z_out=torch.empty(N, V, device=DEVICE))
+    e = torch.empty(N, V, device=DEVICE)
+    launch.lce_forward(h, w, y, None, opts, config=cfg, e_out=(e, torch.empty(N, V // 16, device=DEVICE)))
+    assert [args[4] for args in asked] == [True, False, False]
 
 
 PLANS = [pytest.param((1, 7), id="1 split of all 7 tiles"), pytest.param((3, 3), id="3 splits of 3, 3, 1 tiles"),

@@ -59,6 +59,8 @@ _TARGET_WAVES = 20
 _ROW_BLOCK = 32  # rows per program of the O(N*H) label-logit kernel (no-grad forwards)
 _ROW_BLOCK_K = 128
 _MIN_SPLIT_COLS = 4096  # vocab columns per forward program at least (a split's start-up and stores amortised)
+_PROGRAM_COST = 0.5  # a forward program's start-up and statistics stores, in vocab tiles' time (forward_plan)
+_FEW_WAVES = 5  # forward_plan weighs the last wave's fill where the cap's plan runs in at most this many waves
 
 
 @dataclass(frozen=True)
@@ -152,23 +154,45 @@ def pick_config(phase: str, dtype, N: int, H: int, device=None) -> KernelConfig:
     return cfg if cfg is not None else _default_config(dtype)
 
 
-def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int) -> tuple[int, int]:
+def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int, weigh_waves: bool = True) -> tuple[int, int]:
     """(S, tiles_per_split): vocab splits per row block.
 
-    Programs are long (tiles_per_split tiles each), so a partly filled last wave costs a whole program's time:
-    aim at ``_TARGET_WAVES`` waves of programs (a tail of <= 1/20), within ``STATS_BUDGET``, but give each
-    program at least ``_MIN_SPLIT_COLS`` vocab columns, since every program pays a pipeline fill and its
-    statistics stores. Measured on the H200: at 2169 x 896 and 1937 x 3584
-    (17 row blocks) 4 waves of ~4.8k-column splits beat 20 waves of 1k-column ones by 7-10 %; at 8192 x 4096
-    12 and 30 tiles of 256 per split were within 1.3 %.
+    Programs are long (tiles_per_split tiles each). The cap on S: at most ``_TARGET_WAVES`` waves of programs,
+    statistics within ``STATS_BUDGET``, and at least ``_MIN_SPLIT_COLS`` vocab columns per program (each pays a
+    pipeline fill and its statistics stores) unless that would leave SMs without a program (few row blocks).
+
+    With ``weigh_waves`` (forwards that store nothing per logit) and at most ``_FEW_WAVES`` waves in the cap's
+    plan, a partly filled last wave costs a large share of the time (at the tuned tiles one program fills an SM):
+    S is then the split count from the cap down to half of it that minimises ``waves * (tiles_per_split +
+    _PROGRAM_COST)``, waves = cdiv(row blocks * S, SMs), the larger S on a tie. At 1937 x 3584 x 152064 (16 row
+    blocks of 128) that is 33 splits of 36 tiles, four full waves on 132 SMs, where the cap's 36 splits of 33
+    tiles need a fifth wave for 48 of their 576 programs.
+
+    Measured on the H200 (bf16, same-run A/B of the no-grad forward against the cap's plan, 5 rounds): 0.62 x
+    the time at 256 x 4096 x 128256 (126 programs instead of 62), 0.95 x at 1024 x 4096 x 128256, 0.89 x at
+    1937 x 3584 x 152064, 0.90 x at 2048 x 4096 x 128256, 0.95 x at 2169 x 896 x 151936. Where the estimate
+    gained 1 to 5 % with more waves (from 8192 tokens) the A/B was level to 1.4 % slower, and the SFT and RL steps
+    whose 3-pass forwards store every exponential took 0.98 to 1.02 x at ~2k tokens: both keep the cap's plan.
+    Earlier: at 2169 x 896 and 1937 x 3584, 4 waves of ~4.8k-column splits beat 20 waves of 1k-column ones by
+    7-10 %; at 8192 x 4096, 12 and 30 tiles of 256 per split were within 1.3 %.
     """
     num_rb = cdiv(N, cfg.block_m)
     num_vt = cdiv(V, cfg.block_n)
     s_max = max(1, min(num_vt, STATS_BUDGET // max(1, 20 * N)))
     s_cols = max(1, V // _MIN_SPLIT_COLS)
-    S = max(1, min(s_max, s_cols, cdiv(_TARGET_WAVES * sm_count, num_rb)))
-    tps = cdiv(num_vt, S)
-    return cdiv(num_vt, tps), tps  # no empty splits
+    fill = cdiv(sm_count, num_rb)  # splits that give every SM a program (few tokens)
+    cap = max(1, min(s_max, max(s_cols, fill), cdiv(_TARGET_WAVES * sm_count, num_rb)))
+    best = None
+    for s in range(cap, (cap - 1) // 2, -1):
+        tps = cdiv(num_vt, s)
+        S = cdiv(num_vt, tps)  # no empty splits
+        waves = cdiv(num_rb * S, sm_count)
+        if best is None and (waves > _FEW_WAVES or not weigh_waves):
+            return S, tps  # the cap's plan
+        cost = waves * (tps + _PROGRAM_COST)
+        if best is None or cost < best[0]:
+            best = (cost, S, tps)
+    return best[1], best[2]
 
 
 def _sm_count(device) -> int:
@@ -227,7 +251,8 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         operands["exp_logits"] = (e_out[0], (cfg.block_m, cfg.block_n))
     d = _tma.decide(opts.tma, operands, op="lce.forward", record=False)
     plan.decision = d
-    S, tps = forward_plan(N, V, cfg, _sm_count(dev))
+    store_z, store_e = z_out is not None, e_out is not None
+    S, tps = forward_plan(N, V, cfg, _sm_count(dev), not (store_z or store_e))
     plan.num_vt = cdiv(V, cfg.block_n)
     need_sumz = opts.label_smoothing > 0
     plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if pick_label else 1]
@@ -254,7 +279,6 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
         BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
     )
-    store_z, store_e = z_out is not None, e_out is not None
     z_arg, mt_arg = _store_args(z_out, e_out) or (one, one)
     plan.forward = Launch(
         lce_forward_kernel, (cdiv(N, cfg.block_m) * S,),
