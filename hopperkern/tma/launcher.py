@@ -15,6 +15,8 @@ file lookup, the per-operand TMA decision, grid and split arithmetic, and Triton
   specialised for (dtype, 16-byte alignment) and that no Triton launch hook is installed (profilers). Anything
   else, the interpreter included, takes Triton's own path, so a plan is never less correct than a plain launch.
   :func:`run_steps` launches a plan's steps, reading the device, stream and hook state once.
+* :class:`LaunchCache`: a :class:`PlanCache` of single launches, for ops whose launches are not steps of one plan
+  (keys built with :func:`state_key` and :func:`tensors_key`).
 
 The direct path relies on the C launcher's call ``launch(grid_x, grid_y, grid_z, stream, function, cooperative,
 pdl, global_scratch, profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` that
@@ -32,9 +34,9 @@ from .._host import round_up
 from .capability import _numbers, _triton_version, interpreter_active
 from .descriptors import ensure_allocator, record_decision
 
-__all__ = ["Launch", "LaunchCache", "Plan", "PlanCache", "alignment_key", "chain_launches", "clear_plans", "current_device",
-           "direct_launch_supported", "env_key", "launch_at", "launch_state", "pdl_enabled", "run_direct", "run_steps",
-           "scratch_offsets", "state_key", "tensors_key", "PIECE_ALIGN"]
+__all__ = ["Launch", "LaunchCache", "Plan", "PlanCache", "alignment_key", "chain_launches", "clear_plans",
+           "current_device", "direct_launch_supported", "env_key", "launch_at", "launch_state", "pdl_enabled",
+           "run_direct", "run_steps", "scratch_offsets", "state_key", "tensors_key", "PIECE_ALIGN"]
 
 PIECE_ALIGN = 128  # bytes: where every piece of a plan's per-call allocation starts (TMA's and any binary's need)
 
