@@ -159,14 +159,16 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int, weigh_waves: 
 
     Programs are long (tiles_per_split tiles each). The cap on S: at most ``_TARGET_WAVES`` waves of programs,
     statistics within ``STATS_BUDGET``, and at least ``_MIN_SPLIT_COLS`` vocab columns per program (each pays a
-    pipeline fill and its statistics stores) unless that would leave SMs without a program (few row blocks).
+    pipeline fill and its statistics stores). Without ``weigh_waves`` (the 3-pass paths' forwards, which store
+    every exponential or logit; the interpreter's single "SM") the plan is the cap's.
 
-    With ``weigh_waves`` (forwards that store nothing per logit) and at most ``_FEW_WAVES`` waves in the cap's
-    plan, a partly filled last wave costs a large share of the time (at the tuned tiles one program fills an SM):
-    S is then the split count from the cap down to half of it that minimises ``waves * (tiles_per_split +
-    _PROGRAM_COST)``, waves = cdiv(row blocks * S, SMs), the larger S on a tie. At 1937 x 3584 x 152064 (16 row
-    blocks of 128) that is 33 splits of 36 tiles, four full waves on 132 SMs, where the cap's 36 splits of 33
-    tiles need a fifth wave for 48 of their 576 programs.
+    With ``weigh_waves`` (forwards that store nothing per logit), the column rule gives way where it would leave
+    SMs without a program (few row blocks), and where the cap's plan needs at most ``_FEW_WAVES`` waves a partly
+    filled last wave costs a large share of the time (at the tuned tiles one program fills an SM): S is then the
+    split count from the cap down to half of it that minimises ``waves * (tiles_per_split + _PROGRAM_COST)``,
+    waves = cdiv(row blocks * S, SMs), the larger S on a tie. At 1937 x 3584 x 152064 (16 row blocks of 128)
+    that is 33 splits of 36 tiles, four full waves on 132 SMs, where the cap's 36 splits of 33 tiles need a fifth
+    wave for 48 of their 576 programs.
 
     Measured on the H200 (bf16, same-run A/B of the no-grad forward against the cap's plan, 5 rounds): 0.62 x
     the time at 256 x 4096 x 128256 (126 programs instead of 62), 0.95 x at 1024 x 4096 x 128256, 0.89 x at
@@ -180,7 +182,8 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int, weigh_waves: 
     num_vt = cdiv(V, cfg.block_n)
     s_max = max(1, min(num_vt, STATS_BUDGET // max(1, 20 * N)))
     s_cols = max(1, V // _MIN_SPLIT_COLS)
-    fill = cdiv(sm_count, num_rb)  # splits that give every SM a program (few tokens)
+    weigh_waves = weigh_waves and sm_count > 1  # one "SM" (the interpreter's stand-in): nothing to fill
+    fill = cdiv(sm_count, num_rb) if weigh_waves else 1  # splits that give every SM a program (few tokens)
     cap = max(1, min(s_max, max(s_cols, fill), cdiv(_TARGET_WAVES * sm_count, num_rb)))
     best = None
     for s in range(cap, (cap - 1) // 2, -1):
