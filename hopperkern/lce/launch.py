@@ -185,17 +185,18 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int, weigh_waves: 
     weigh_waves = weigh_waves and sm_count > 1  # one "SM" (the interpreter's stand-in): nothing to fill
     fill = cdiv(sm_count, num_rb) if weigh_waves else 1  # splits that give every SM a program (few tokens)
     cap = max(1, min(s_max, max(s_cols, fill), cdiv(_TARGET_WAVES * sm_count, num_rb)))
-    best = None
-    for s in range(cap, (cap - 1) // 2, -1):
+
+    def plan(s):  # (S, tiles per split) for at most s splits, none of them empty
         tps = cdiv(num_vt, s)
-        S = cdiv(num_vt, tps)  # no empty splits
-        waves = cdiv(num_rb * S, sm_count)
-        if best is None and (waves > _FEW_WAVES or not weigh_waves):
-            return S, tps  # the cap's plan
-        cost = waves * (tps + _PROGRAM_COST)
-        if best is None or cost < best[0]:
-            best = (cost, S, tps)
-    return best[1], best[2]
+        return cdiv(num_vt, tps), tps
+
+    def cost(p):
+        return cdiv(num_rb * p[0], sm_count) * (p[1] + _PROGRAM_COST)
+
+    S, tps = plan(cap)
+    if not weigh_waves or cdiv(num_rb * S, sm_count) > _FEW_WAVES:
+        return S, tps  # the cap's plan
+    return min((plan(s) for s in range(cap, (cap - 1) // 2, -1)), key=cost)  # the first (larger S) on a tie
 
 
 def _sm_count(device) -> int:
