@@ -309,3 +309,24 @@ def test_backward_launcher_checks(device):
         gather_rows(x, moe.direct_plan(ids, case.E, 16))
     with pytest.raises(ValueError, match="gate_up: pre_out needs a sorted plan"):
         moe.gate_up(x, w13, moe.direct_plan(ids, case.E, 16), config=cfg.gemm1, pre_out=pre)
+
+
+def test_backward_configs_from_forward_tiles():
+    """The dY GEMM starts from the forward's gate/up tile: block_n capped at 32 fp32 values per thread, and a
+    4-warp 128-row forward tile (two programs per SM there) runs it with 8 warps, whose epilogue compiles
+    without spills for sm_90 (benchmarks/compile_moe_sm90.py); the d_hidden GEMM keeps the down tile."""
+    from hopperkern.moe.backward import backward_configs
+    from hopperkern.tuning import KernelConfig
+
+    down = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=2, flatten=True)
+    for warps, bn in ((8, 128), (4, 64)):
+        fwd = MoeConfig(gemm1=KernelConfig(block_m=128, block_n=bn, block_k=64, group_m=8, num_warps=warps,
+                                           num_stages=3), gemm2=down)
+        for recompute in (False, True):
+            dy, dh, _ = backward_configs(fwd, torch.bfloat16, recompute)
+            assert (dy.block_m, dy.num_warps, dy.block_n) == (128, 8, 64)
+            assert dh == down
+    small = MoeConfig(gemm1=KernelConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4),
+                      gemm2=KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4))
+    dy, _, _ = backward_configs(small, torch.bfloat16, False)
+    assert (dy.num_warps, dy.block_n) == (4, 64)

@@ -229,6 +229,11 @@ def test_atomic_config_fits_the_fp32_epilogue():
     assert moe_configs.atomic_config(small, 2) == small
     mid = KernelConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4, flatten=True)
     assert moe_configs.programs_per_sm(mid, 2, 1) == 2 and moe_configs.programs_per_sm(mid, 2, 1, 4) == 1
+    assert moe_configs.atomic_config(mid, 2).num_warps == 4  # 64 accumulator registers per thread: kept
+    # Two programs per SM on the fixed-order path; the atomic epilogue of a 4-warp 128 x 128 tile would spill.
+    pair = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=2, flatten=True)
+    assert moe_configs.programs_per_sm(pair, 2, 1) == 2
+    assert moe_configs.atomic_config(pair, 2) == pair.model_copy(update={"num_warps": 8})
 
 
 def test_zero_tokens(device):
