@@ -17,12 +17,16 @@ entropy, no grad) and forward + backward (RL) at 256 and 2048 tokens (llama3-8B 
 
 and, measured in the same run, the host cost of one trivial Triton launch (``trivial_triton_us``), of one
 small torch op (``small_torch_us``) and of one autograd round trip (``autograd_us``: ``torch.autograd.grad``
-through a custom Function that launches nothing, the engine's fixed cost that every backward call pays), to
+through a custom Function that launches nothing, the engine's fixed cost that every backward call pays;
+``autograd_calling_thread_us`` the same with the backward on the calling thread, see below), to
 which the host figures are compared: absolute microseconds differ between hosts, these ratios hold.
 ``launches`` counts the kernels one call enqueues (torch profiler). ``lce.backward`` is the backward alone,
 ``torch.autograd.grad`` over a kept forward graph (``retain_graph``), so on the 4-pass path (the 3-pass path's
 backward consumes what its forward kept, once); its ``host_net_us`` subtracts the autograd round trip, leaving
 what the op's own backward costs the host. ``grad_path`` names the path an LCE row with a backward ran.
+``host_calling_thread_us`` (LCE rows with a backward): ``host_us`` again with the backward on the calling thread
+(``torch.autograd.set_multithreading_enabled(False)``), where the autograd engine does not hand it to its
+worker thread and wait.
 
     python -m benchmarks.bench_host --out DIR [--quick]
 """
@@ -138,7 +142,18 @@ def baselines() -> dict:
     leaf, g = torch.zeros(4, device="cuda", requires_grad=True), torch.ones(4, device="cuda")
     y = _Nothing.apply(leaf)
     autograd = min(host_us(lambda: torch.autograd.grad(y, leaf, g, retain_graph=True)) for _ in range(3))
-    return {"trivial_triton_us": trivial, "small_torch_us": small, "autograd_us": autograd}
+    with torch.autograd.set_multithreading_enabled(False):
+        same_thread = min(host_us(lambda: torch.autograd.grad(y, leaf, g, retain_graph=True)) for _ in range(3))
+    return {"trivial_triton_us": trivial, "small_torch_us": small, "autograd_us": autograd,
+            "autograd_calling_thread_us": same_thread}
+
+
+def calling_thread_host_us(fn) -> float:
+    """host_us of ``fn`` (a call with a backward) under ``torch.autograd.set_multithreading_enabled(False)``: the
+    autograd engine runs the backward on the calling thread instead of handing it to its per-device worker
+    thread and waiting for it."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return host_row(fn, 100)["host_us"]
 
 
 def moe_rows(base, quick):
@@ -194,6 +209,8 @@ def lce_rows(base):
                            eager_us=eager_us(fn, 50), launches=count_launches(fn))
                 if check != True:  # noqa: E712 - a synchronising check cannot be captured
                     row["graph_us"] = graph_us(fn, 20)
+                if op == "lce.forward+backward":
+                    row["host_calling_thread_us"] = calling_thread_host_us(fn)
                 rows.append(row)
             if check == True:  # noqa: E712 - the check is in the forward
                 continue
@@ -205,7 +222,8 @@ def lce_rows(base):
                 return torch.autograd.grad(kept, (h, w), (g, g), retain_graph=True)
 
             row = dict(base, op="lce.backward", shape=f"{H}x{V}", tokens=N, check=check, grad_path="4pass",
-                       **host_row(bwd, 100), eager_us=eager_us(bwd, 50), launches=count_launches(bwd))
+                       **host_row(bwd, 100), eager_us=eager_us(bwd, 50), launches=count_launches(bwd),
+                       host_calling_thread_us=calling_thread_host_us(bwd))
             row["host_net_us"] = row["host_us"] - base["autograd_us"]
             rows.append(row)
             del kept
@@ -241,14 +259,14 @@ def main(argv=None) -> int:
                     f"op {base['small_torch_us']:.1f} us, autograd round trip {base['autograd_us']:.1f} us, same run; "
                     "host / trivial nets out the round trip for lce.backward)")
     for col in ("op", "shape", "tokens", "check", "launches", "host us", "host / trivial", "/ adjacent", "target",
-                "eager us", "graph us", "eager / graph"):
+                "eager us", "graph us", "eager / graph", "host us, calling thread"):
         t.add_column(col)
     for r in rows:
         f = (lambda key, fmt: (fmt % r[key]) if r.get(key) is not None else "-")
         t.add_row(r["op"], r["shape"], str(r["tokens"]), str(r["check"]), str(r["launches"]), f("host_us", "%.0f"),
                   f("host_in_trivial_launches", "%.1f"), f("host_in_adjacent_trivial", "%.1f"),
                   str(r["target_trivial_launches"]), f("eager_us", "%.0f"),
-                  f("graph_us", "%.0f"), f("eager_over_graph", "%.2f"))
+                  f("graph_us", "%.0f"), f("eager_over_graph", "%.2f"), f("host_calling_thread_us", "%.0f"))
     Console(width=160).print(t)
     return 0
 
