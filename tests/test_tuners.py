@@ -396,3 +396,31 @@ def test_importing_the_tuner_touches_no_gpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "False"]
+
+
+def test_rank_fastest_orders_valid_candidates_and_pick_takes_the_first():
+    """rank_fastest: every candidate that runs and checks out, fastest first (ties in the given order); failing and
+    wrong ones are left out; pick_fastest is its first entry."""
+    from hopperkern.tune import rank_fastest
+
+    speed = {16: 3.0, 32: 1.0, 64: 2.0, 128: 1.0, 256: 0.5}
+    current = {}
+
+    def run(cfg):
+        current["cfg"] = cfg
+        if cfg.block_n == 256:
+            raise RuntimeError("out of resource: shared memory")
+
+    def timer(fn):
+        fn()
+        return speed[current["cfg"].block_n]
+
+    def check(cfg):
+        return 1.0 if cfg.block_n == 64 else 0.0  # 64 computes the wrong thing
+
+    cands = [_cfg(b) for b in (16, 32, 64, 128, 256)]
+    ranked = rank_fastest(cands, run, timer, log=lambda m: None, check=check)
+    assert [cfg.block_n for _, cfg in ranked] == [32, 128, 16]
+    assert [ms for ms, _ in ranked] == [1.0, 1.0, 3.0]
+    assert pick_fastest(cands, run, timer, log=lambda m: None, check=check) == ranked[0]
+    assert rank_fastest([_cfg(256)], run, timer, log=lambda m: None) == []

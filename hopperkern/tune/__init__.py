@@ -17,6 +17,7 @@ file writer). Importing any of them touches no GPU and compiles nothing.
 """
 
 from .cli import main, merge_into_file
-from .timing import capture_graph, graph_ms, pick_fastest, rel_err, time_cuda
+from .timing import capture_graph, graph_ms, pick_fastest, rank_fastest, rel_err, time_cuda
 
-__all__ = ["capture_graph", "graph_ms", "main", "merge_into_file", "pick_fastest", "rel_err", "time_cuda"]
+__all__ = ["capture_graph", "graph_ms", "main", "merge_into_file", "pick_fastest", "rank_fastest", "rel_err",
+           "time_cuda"]

@@ -2,8 +2,9 @@
 
 For each bucket the row block (block_m) comes from :func:`hopperkern.moe.configs.pick_block_m` plus its neighbours
 where the mean slots per expert sit near a block boundary; GEMM1 (gate/up) and GEMM2 (down, with its top-k reduction
-as fused_moe runs it) are then timed separately over a few candidates each. The best pair of each block_m (and, for
-direct plans, of each top-k form) then runs as a whole ``fused_moe`` beside the config that ``fused_moe`` uses now
+as fused_moe runs it) are then timed separately over a few candidates each. The fastest gate/up config of each
+block_m, paired with each of the two fastest down configs (and, for direct plans, the fastest of the fused top-k
+form), then runs as a whole ``fused_moe`` beside the config that ``fused_moe`` uses now
 (:func:`in_use`: the tuning file's entry or the heuristics), in the same interleaved rounds, and the fastest of
 those wins: a re-tune keeps the config in use unless a new one beats it in the same run, and block_m choices timed
 seconds apart are compared side by side. Candidates that fail (shared memory, compile) are skipped, and so is every
@@ -24,7 +25,7 @@ import torch
 
 from ..tuning import KernelConfig, MoeConfig, moe_key
 from .shapes import MOE_SHAPES
-from .timing import graph_ms, pick_fastest, rel_err
+from .timing import graph_ms, pick_fastest, rank_fastest, rel_err
 
 __all__ = ["BUCKETS", "CHECK_ROWS", "GRAPH_MAX_T", "block_m_choices", "candidates", "fused_candidates", "in_use",
            "tune_moe", "tune_moe_default"]
@@ -129,6 +130,8 @@ def _timer(graph: bool):
     return (lambda fn: graph_ms(fn, rep=15)) if graph else (lambda fn: triton.testing.do_bench(fn, warmup=5, rep=15))
 
 
+FINALIST_DOWNS = 2  # down configs per block_m (the fastest timed apart) that the end-to-end pick times
+
 SETTLE_S = {True: 0.2, False: 0.5}  # seconds of back-to-back calls before a bucket's timing rounds (graph, eager)
 
 
@@ -153,7 +156,7 @@ def in_use(E: int, H: int, I: int, dtype, T: int, top_k: int, device) -> MoeConf
 
 
 def _final_pick(finalists, current, run, err, timer, settle: float, log):
-    """(ms, MoeConfig) among the per-block_m winners and the config in use (``current``), timed end to end
+    """(ms, MoeConfig) among the per-block_m finalists and the config in use (``current``), timed end to end
     (``run(config)`` = fused_moe with it) in interleaved rounds; a lone finalist is taken as it is (with its
     GEMMs' time). None without finalists (every candidate failed: the bucket keeps what it has)."""
     if not finalists:
@@ -219,8 +222,10 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                     atomic = err(moe.down(inter, w2, weights, ids, plan, config=cf, deterministic=False))
                     return max(err(run2(cf)), atomic)
 
-                downs = [(pick_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2", check=check2,
-                                       settle_s=settle), False)]
+                # The two fastest down configs go on to the end-to-end pick: timed apart (after an L2 flush or
+                # alone), their order can differ from the one they take behind the gate/up GEMM.
+                downs = [(g2, False) for g2 in rank_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2",
+                                                            check=check2, settle_s=settle)[:FINALIST_DOWNS]]
                 if plan.direct:  # the top-k sum inside the down GEMM: k times fewer, longer programs
                     downs.append((pick_fastest(fused_candidates(bm), lambda cf: run2(cf, True), timer, log=log,
                                                what="gemm2 fused", check=lambda cf: err(run2(cf, True)),

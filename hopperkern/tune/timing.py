@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-__all__ = ["capture_graph", "graph_ms", "pick_fastest", "rel_err", "time_cuda"]
+__all__ = ["capture_graph", "graph_ms", "pick_fastest", "rank_fastest", "rel_err", "time_cuda"]
 
 
 def time_cuda(fn, *, warmup: int = 2, reps: int = 7, min_ms: float = 0.0, max_reps: int = 200,
@@ -100,7 +100,16 @@ def rel_err(out, ref) -> float:
 
 def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: float = 2e-2, rounds: int = 3,
                  settle_s: float = 0.0):
-    """(ms, config) of the fastest candidate that runs and computes the right thing, or None.
+    """(ms, config) of the fastest candidate that runs and computes the right thing, or None: the first of
+    :func:`rank_fastest`."""
+    ranked = rank_fastest(cands, run, timer, log=log, what=what, check=check, tol=tol, rounds=rounds,
+                          settle_s=settle_s)
+    return ranked[0] if ranked else None
+
+
+def rank_fastest(cands, run, timer, *, log=print, what="", check=None, tol: float = 2e-2, rounds: int = 3,
+                 settle_s: float = 0.0) -> list:
+    """``[(ms, config), ...]`` of the candidates that run and compute the right thing, fastest first.
 
     ``run(cfg)`` launches the op with ``cfg`` (its first call compiles, outside any timing or graph capture);
     ``timer(fn)`` returns the milliseconds of ``fn``; ``check(cfg)``, when given, returns the candidate's error
@@ -114,8 +123,8 @@ def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: floa
     clock's settling, not timed), in ``rounds`` rounds, round r in the order rotated by r places (every
     candidate takes every place once when there are as many rounds as candidates). Each time is divided by
     its round's median (a clock that drops between rounds moves every candidate of the later rounds alike),
-    and the candidates are ranked by the median of those ratios. The ms returned is the winner's median time
-    (what a caller adds up across separate picks)."""
+    and the candidates are ranked by the median of those ratios (ties keep the candidates' order). Each ms is the
+    candidate's median time (what a caller adds up across separate picks)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     valid = []
@@ -149,7 +158,7 @@ def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: floa
                 del samples[i]
     level = {r: statistics.median([t[r] for t in samples.values() if r in t]) for r in range(rounds)
              if any(r in t for t in samples.values())}
-    best = None
+    ranked = []
     for i, times in samples.items():
         # A round whose median is 0 (graph_ms clamps a time below its baseline to 0) ranks nobody.
         score = statistics.median([ms / level[r] if level[r] > 0 else 1.0 for r, ms in times.items()])
@@ -157,9 +166,8 @@ def pick_fastest(cands, run, timer, *, log=print, what="", check=None, tol: floa
         rounds_us = ", ".join(f"{t * 1e3:.1f}" for t in times.values())
         log(f"    {what} {valid[i].model_dump()} {ms * 1e3:.1f} us (rounds {rounds_us}; {score:.3f} of the rounds' "
             "medians)")
-        if best is None or score < best[0]:
-            best = (score, ms, valid[i])
-    return None if best is None else best[1:]
+        ranked.append((score, i, ms, valid[i]))
+    return [(ms, cfg) for _, _, ms, cfg in sorted(ranked, key=lambda item: item[:2])]
 
 
 def _settle(fn, seconds: float) -> None:
