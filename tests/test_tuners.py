@@ -274,6 +274,48 @@ def test_moe_tuner_skips_down_configs_whose_atomic_variant_fails(monkeypatch):
     assert any("gemm2 {" in m and "'block_n': 32" in m and "skipped: RuntimeError" in m for m in logs), logs
 
 
+def test_moe_tuner_times_the_runner_up_down_config_end_to_end(monkeypatch):
+    """The two fastest down configs of a block_m both run end to end: a down config that is second when timed
+    alone but first behind the gate/up GEMM wins (with only the fastest one going on it could not)."""
+    import torch
+
+    import hopperkern.moe as moe_pkg
+    from hopperkern.tune import moe_tuner
+
+    def tiny(block_m, gemm):
+        return [KernelConfig(block_m=block_m, block_n=bn, block_k=32, group_m=1, num_warps=4, num_stages=1)
+                for bn in (16, 32, 64)]
+
+    seen = {}
+    real_down, real_fused = moe_pkg.down, moe_pkg.fused_moe
+
+    def down(*args, config=None, **kw):
+        seen["last"] = ("down", config.block_n)
+        return real_down(*args, config=config, **kw)
+
+    def fused_moe(*args, config=None, **kw):
+        out = real_fused(*args, config=config, **kw)
+        seen["last"] = ("fused_moe", config.gemm2.block_n)
+        return out
+
+    alone = {16: 1.0, 32: 2.0, 64: 3.0}  # down GEMM timed alone: 16, then 32, then 64
+    behind = {16: 2.0, 32: 1.0, 64: 0.5}  # end to end: 64 would be fastest, but it ranks third alone
+
+    def timer(fn):
+        seen["last"] = None
+        fn()
+        kind, bn = seen["last"] or ("gate_up", 0)
+        return {"down": alone, "fused_moe": behind}.get(kind, {0: 1.0}).get(bn, 1.0)
+
+    monkeypatch.setattr(moe_tuner, "candidates", tiny)
+    monkeypatch.setattr(moe_pkg, "down", down)
+    monkeypatch.setattr(moe_pkg, "fused_moe", fused_moe)
+    logs = []
+    found = moe_tuner.tune_moe([(4, 64, 32, 2)], (8,), torch.float32, log=logs.append, device="cpu", time_fn=timer)
+    assert found["E4_H64_I32_float32"]["8"].gemm2.block_n == 32, logs
+    assert not any("'block_n': 64" in m for m in logs if m.lstrip().startswith("fused_moe")), logs
+
+
 def test_moe_final_pick_keeps_the_config_in_use_unless_beaten():
     """The per-block_m winners run end to end beside the config in use: the fastest of them wins (the one in use
     too), a wrong one never does, and a lone finalist is taken without timing."""

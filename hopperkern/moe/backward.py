@@ -61,8 +61,8 @@ def backward_configs(config: MoeConfig, dtype, recompute: bool,
     H) with K = 2I, so they start from those configs. The dY GEMM's epilogue keeps about six fp32 tiles live
     (dY, g, u, act, act', y): block_n is capped at 32 fp32 values per thread and tile (128 x 64 with 8 warps),
     which ptxas compiles without spills for sm_90 in both the saved and the recomputing variant
-    (``python -m benchmarks.compile_moe_sm90``). A 4-warp forward tile of 128 rows (two programs per SM in the
-    forward) gives the dY GEMM 8 warps: with 4 its epilogue spills."""
+    (``python -m benchmarks.compile_moe_sm90``). A forward tile of 128 rows with fewer than 8 warps (two programs
+    per SM in the forward) gives the dY GEMM 8 warps: with 4 its epilogue spills."""
     g1, g2 = config.gemm1, config.gemm2
     if g1.block_m >= 128 and g1.num_warps < 8:
         g1 = g1.model_copy(update={"num_warps": 8})

@@ -83,9 +83,9 @@ def atomic_config(config: KernelConfig, elem_size: int) -> KernelConfig:
     """``config`` for the down GEMM's fp32 atomic top-k sum (``deterministic=False``): its epilogue stages an
     fp32 tile, twice the bytes of the per-slot store the configs are tuned with, so pipeline stages are dropped
     while :func:`smem_bytes` stays above the 227 KiB a program may use (a tuned 128 x 128 x 128 tile with 3
-    stages needs 256 KiB there, 192 KiB with 2). A 4-warp tile whose fp32 accumulator takes 128 registers per
-    thread or more (128 x 128) runs with 8 warps: the atomic epilogue's addresses beside it would spill (ptxas:
-    560 to 632 bytes for 128 x 128 x 64 with 2 stages)."""
+    stages needs 256 KiB there, 192 KiB with 2). A tile of fewer than 8 warps whose fp32 accumulator takes 128
+    registers per thread or more (128 x 128 with 4 warps) runs with 8 warps: the atomic epilogue's addresses
+    beside it would spill (ptxas: 560 to 632 bytes for 128 x 128 x 64 with 4 warps and 2 stages)."""
     if config.num_warps < 8 and config.block_m * config.block_n >= 128 * 32 * config.num_warps:
         config = config.model_copy(update={"num_warps": 8})
     while config.num_stages > 1 and smem_bytes(config, elem_size, 1, 4) > _SMEM_PER_BLOCK:

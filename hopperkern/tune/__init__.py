@@ -6,7 +6,7 @@
 It writes ``<out>/<DEVICE_NAME>.json`` (see :mod:`hopperkern.tuning`), merged with the file already there:
 entries not tuned in this run are kept. Every entry goes through the :mod:`hopperkern.tuning` models, so a
 file the tuner writes always loads. A candidate config is timed only after its result matches an fp32 torch
-reference (:func:`~hopperkern.tune.timing.pick_fastest`), so a config that miscomputes is never written. The
+reference (:func:`~hopperkern.tune.timing.rank_fastest`), so a config that miscomputes is never written. The
 candidates of one choice are timed in rotated rounds after the GPU clock has settled, and compared within each
 round, so a clock that drifts under load does not favour the first of them.
 

@@ -69,7 +69,7 @@ _DECODE_FUSED = [(128, 256, 3, False), (64, 256, 5, True), (32, 256, 8, True)]
 
 
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
-    """2-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
+    """3-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
 
     Decode sizes (block_m <= 32): :data:`_DECODE`, each with as many stages as fit. Prefill sizes
     (block_m >= 64) include flattened tile loops (the persistent kernels prefetch the next tile's K loads
@@ -200,7 +200,7 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
             def err(out):
                 return rel_err(out[sel], ref)
 
-            finalists: list = []  # (gemm1 + gemm2 ms, MoeConfig): the best pair of each block_m and top-k form
+            finalists: list = []  # (gemm1 + gemm2 ms, MoeConfig): the pairs the end-to-end pick times
             for bm in block_m_choices(T, top_k, E):
                 make_plan = moe.direct_plan if moe.prefer_direct(T, top_k, E) else moe.moe_align  # as fused_moe
                 plan = make_plan(ids, E, bm)

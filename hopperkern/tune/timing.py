@@ -3,7 +3,7 @@
 Everything here touches CUDA only when called: CUDA-event timing (:func:`time_cuda`), CUDA-graph capture
 (:func:`capture_graph`) and graph-replay timing with a cold L2 (:func:`graph_ms`), the error measure the tuners'
 reference checks use (:func:`rel_err`), and the selection loop that never lets a wrong config win
-(:func:`pick_fastest`).
+(:func:`rank_fastest`, and :func:`pick_fastest`, its first entry).
 """
 
 from __future__ import annotations
