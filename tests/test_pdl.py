@@ -86,7 +86,7 @@ def test_every_moe_plan_kernel_takes_chain_flags():
     from hopperkern.moe import _gemm_kernels as G
 
     kernels = [G._gate_up_kernel, G._down_kernel, G._down_direct_kernel, G._topk_sum_kernel, A._align_small_kernel,
-               A._align_count_kernel, A._align_scan_kernel, A._align_scatter_kernel, A._align_blocks_kernel]
+               A._align_count_kernel, A._align_scan_kernel, A._align_place_kernel]
     for fn in kernels:
         assert {"PDL_WAIT", "PDL_TRIGGER"} <= set(fn.arg_names), fn
 

@@ -10,8 +10,8 @@ Two launch shapes share the same helpers:
   Every program histograms the whole chunk (at most CHUNK ids) for the expert segments, then scatters its own
   sub-blocks of SUB slots and fills its own block tiles, so no program walks the chunk serially (decode: one
   launch, a few microseconds);
-- large: count (grid = chunks) -> scan (one program) -> scatter (grid = sub-blocks) -> blocks (grid = block
-  tiles).
+- large: count (grid = chunks) -> scan (one program) -> place (grid = the larger of the scatter's sub-blocks and
+  the block tiles: each program scatters its sub-blocks and fills its block tile).
 
 Ordering is deterministic: inside an expert, slots appear in increasing slot order (per-(chunk, expert)
 bases from an exclusive scan over chunks; a sub-block's base inside its chunk from a histogram of the chunk's
@@ -175,44 +175,36 @@ def _align_scan_kernel(
         running += tl.sum(rows, axis=0)
 
 
-@triton.jit(do_not_specialize=["num_slots", "E"])
-def _align_scatter_kernel(
+@triton.jit(do_not_specialize=["num_slots", "E", "max_blocks", "num_scatter"])
+def _align_place_kernel(
     ids_ptr,          # [num_slots] int32/int64
     base_ptr,         # [num_chunks, E_P] int32
+    offsets_ptr,      # [E + 1] int32
+    counts_ptr,       # [E] int32
     sorted_ptr,       # [max_blocks * BLOCK_M] int32 out
-    num_slots, E,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr, SUBS: tl.constexpr,
+    block_expert_ptr, # [max_blocks] int32 out
+    num_slots, E, max_blocks, num_scatter,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr, SUBS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
-    """Grid (num_chunks * CHUNK // (SUB * SUBS),); one program writes the sorted rows of SUBS consecutive
-    sub-blocks of SUB slots."""
+    """Grid (max(num_scatter, cdiv(max_blocks, BLOCK_B)),), after the scan. Program p < num_scatter (=
+    num_chunks * CHUNK // (SUB * SUBS)) writes the sorted rows of SUBS consecutive sub-blocks of SUB slots; program
+    p < cdiv(max_blocks, BLOCK_B) fills the expert ids and padding sentinels of blocks p*BLOCK_B.. . The two write
+    disjoint rows (real ones, padding ones), so one launch does both."""
     chain_start(PDL_WAIT, PDL_TRIGGER)
     per_chunk: tl.constexpr = CHUNK // (SUB * SUBS)
     p = tl.program_id(0)
+    ex = tl.arange(0, E_P)
     c = p // per_chunk
     sub = (p % per_chunk) * SUBS
-    if c * CHUNK + sub * SUB < num_slots:  # the last chunk's tail sub-blocks hold no slot
-        ex = tl.arange(0, E_P)
+    if (p < num_scatter) & (c * CHUNK + sub * SUB < num_slots):  # the last chunk's tail sub-blocks hold no slot
         base = tl.load(base_ptr + c * E_P + ex, mask=ex < E, other=0)
         bins = _slot_bins(ids_ptr, c, num_slots, E, CHUNK)
         _scatter_sub(ids_ptr, bins, c, sub, num_slots, base, sorted_ptr, E, CHUNK, SUB, E_P, SUBS)
-
-
-@triton.jit(do_not_specialize=["max_blocks", "num_slots", "E"])
-def _align_blocks_kernel(
-    offsets_ptr,      # [E + 1] int32
-    counts_ptr,       # [E] int32
-    block_expert_ptr, # [max_blocks] int32 out
-    sorted_ptr,       # [max_blocks * BLOCK_M] int32 out (padding rows only)
-    max_blocks, num_slots, E,
-    BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, E_P: tl.constexpr,
-    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
-):
-    """Grid (cdiv(max_blocks, BLOCK_B),); one program = expert ids and padding sentinels of BLOCK_B blocks."""
-    chain_start(PDL_WAIT, PDL_TRIGGER)
-    ex = tl.arange(0, E_P)
-    starts = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
-    tot = tl.load(counts_ptr + ex, mask=ex < E, other=0)
-    ends = tl.load(offsets_ptr + ex + 1, mask=ex < E, other=0)
-    _fill_blocks(tl.program_id(0), starts, ends, tot, block_expert_ptr, sorted_ptr, max_blocks, num_slots, E,
-                 BLOCK_M, BLOCK_B, E_P)
+    if p < tl.cdiv(max_blocks, BLOCK_B):
+        starts = tl.load(offsets_ptr + ex, mask=ex < E, other=0)
+        tot = tl.load(counts_ptr + ex, mask=ex < E, other=0)
+        ends = tl.load(offsets_ptr + ex + 1, mask=ex < E, other=0)
+        _fill_blocks(p, starts, ends, tot, block_expert_ptr, sorted_ptr, max_blocks, num_slots, E, BLOCK_M, BLOCK_B,
+                     E_P)

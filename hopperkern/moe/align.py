@@ -33,23 +33,17 @@ import torch
 from .._host import cdiv, next_power_of_2
 from ..tma import interpreter_active, launch_context
 from ..tma.launcher import Launch, run_steps
-from ._align_kernels import (
-    _align_blocks_kernel,
-    _align_count_kernel,
-    _align_scan_kernel,
-    _align_scatter_kernel,
-    _align_small_kernel,
-)
+from ._align_kernels import _align_count_kernel, _align_place_kernel, _align_scan_kernel, _align_small_kernel
 
 __all__ = ["AlignPlan", "align_steps", "direct_plan", "empty_plan", "max_blocks_for", "moe_align", "plan_tensors", "prefer_direct",
            "scratch_shapes", "scratch_tensors"]
 
 # Up to this many slots the whole plan is one launch (_one_launch). Measured on the H200 (graph-timed fused_moe,
-# same-run A/B): at 2048 slots (256 tokens, top-8) the one launch is 1.3-1.8 % faster than the four of the
+# same-run A/B): at 2048 slots (256 tokens, top-8) the one launch is 1.3-1.8 % faster than the four (now three) of the
 # multi-program path for qwen3-30B-A3B and qwen3-235B-TP4 (level for deepseek-V3-TP8); at 8192 slots it is 6.5-10 %
 # slower. Beyond 1024 slots only while the histogram is at most _SMALL_WIDE_E_P bins wide: from 1024 bins (E >= 512)
 # the one-launch kernel spills registers at 2048 slots (ptxas: 64 at 1024 bins, 848 at 2048) and was measured
-# slower than the four launches (E = 1000: 20.4 against 18.2 us; E = 2000: 71.2 against 29.3 us).
+# slower than the four launches of then (E = 1000: 20.4 against 18.2 us; E = 2000: 71.2 against 29.3 us).
 _SMALL_MAX_SLOTS = 2048
 _SMALL_NARROW_MAX_SLOTS = 1024  # the limit for wider histograms
 _SMALL_WIDE_E_P = 512
@@ -137,7 +131,7 @@ def _pow2_at_least(n: int, floor: int) -> int:
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
     """Build the :class:`AlignPlan` of ``topk_ids`` [T, k] (int32/int64) for ``num_experts`` experts and row
     blocks of ``block_m`` (a power of two >= 16). One launch up to 2048 slots (T*k; 1024 from 512 experts),
-    four otherwise; no host sync."""
+    three otherwise; no host sync."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be 2-D, got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -200,7 +194,7 @@ def scratch_tensors(num_slots: int, E: int, device) -> dict:
 
 def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int) -> list:
     """The alignment launches of :func:`moe_align` as ``(Launch, tensor names)`` steps over ``env`` (ids,
-    :func:`plan_tensors`, :func:`scratch_shapes`' tensors): one where :func:`_one_launch`, four otherwise."""
+    :func:`plan_tensors`, :func:`scratch_shapes`' tensors): one where :func:`_one_launch`, three otherwise."""
     e_p = _pow2_at_least(E + 1, 32)  # histogram bins: one per expert plus the "dropped" bin E; >= warp size
     sub = _scatter_step(e_p)
     block_b = _blocks_per_tile()
@@ -222,14 +216,14 @@ def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int
     # (consecutive ones, powers of two) once there are enough programs to fill the GPU, since each program
     # also histograms its chunk.
     subs = min(_CHUNK // sub, next_power_of_2(cdiv(num_chunks * (_CHUNK // sub), _SCATTER_PROGRAMS)))
+    num_scatter = num_chunks * (_CHUNK // (sub * subs))
     return [
         step(_align_count_kernel, (num_chunks,), ("ids", "chunk_counts"), num_slots, E, CHUNK=_CHUNK, E_P=e_p,
              num_warps=4),
         step(_align_scan_kernel, (1,), ("chunk_counts", "base", "expert_offsets", "expert_counts", "num_blocks"),
              num_chunks, E, BLOCK_M=block_m, E_P=e_p, BLOCK_C=max(1, _TILE_ELEMS // e_p), num_warps=8),
-        step(_align_scatter_kernel, (num_chunks * (_CHUNK // (sub * subs)),), ("ids", "base", "sorted_slots"),
-             num_slots, E, CHUNK=_CHUNK, SUB=sub, E_P=e_p, SUBS=subs, num_warps=4),
-        step(_align_blocks_kernel, (cdiv(max_blocks, block_b),),
-             ("expert_offsets", "expert_counts", "block_expert", "sorted_slots"), max_blocks, num_slots, E,
-             BLOCK_M=block_m, BLOCK_B=block_b, E_P=e_p, num_warps=4),
+        step(_align_place_kernel, (max(num_scatter, cdiv(max_blocks, block_b)),),
+             ("ids", "base", "expert_offsets", "expert_counts", "sorted_slots", "block_expert"),
+             num_slots, E, max_blocks, num_scatter, BLOCK_M=block_m, CHUNK=_CHUNK, SUB=sub, E_P=e_p, SUBS=subs,
+             BLOCK_B=block_b, num_warps=4),
     ]
