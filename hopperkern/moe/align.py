@@ -52,6 +52,7 @@ _BLOCK_B = 16            # row blocks per program when filling block_expert and 
 _TILE_ELEMS = 4096       # size of the one-hot [SUB, E_P] tile of the scatter (registers per program)
 _SUB_MAX = 64            # slots per scatter step (a [SUB, SUB] rank tile)
 _SCATTER_PROGRAMS = 1024 # the multi-chunk scatter's programs: beyond that, each takes several sub-blocks
+_SCAN_TILE_ELEMS = 8192  # [chunks, E_P] counts per step of the one-program scan (16384 spills registers on sm_90)
 
 
 def _scatter_step(e_p: int) -> int:
@@ -221,7 +222,8 @@ def align_steps(env: dict, num_slots: int, E: int, block_m: int, max_blocks: int
         step(_align_count_kernel, (num_chunks,), ("ids", "chunk_counts"), num_slots, E, CHUNK=_CHUNK, E_P=e_p,
              num_warps=4),
         step(_align_scan_kernel, (1,), ("chunk_counts", "base", "expert_offsets", "expert_counts", "num_blocks"),
-             num_chunks, E, BLOCK_M=block_m, E_P=e_p, BLOCK_C=max(1, _TILE_ELEMS // e_p), num_warps=8),
+             num_chunks, E, BLOCK_M=block_m, E_P=e_p,
+             BLOCK_C=max(1, min(next_power_of_2(num_chunks), _SCAN_TILE_ELEMS // e_p)), num_warps=8),
         step(_align_place_kernel, (max(num_scatter, cdiv(max_blocks, block_b)),),
              ("ids", "base", "expert_offsets", "expert_counts", "sorted_slots", "block_expert"),
              num_slots, E, max_blocks, num_scatter, BLOCK_M=block_m, CHUNK=_CHUNK, SUB=sub, E_P=e_p, SUBS=subs,
