@@ -1,7 +1,8 @@
 """Host cost of eager calls: what one call of an op costs the CPU, beside what it costs the GPU.
 
 For ``fused_moe`` at 1, 16 and 256 tokens on the five MoE shapes, and for the LCE forward (log-probs +
-entropy, no grad) and forward + backward (RL) at 256 and 2048 tokens (llama3-8B head), three figures per call:
+entropy, no grad) and forward + backward (RL), the backward alone, and a mean cross-entropy loss with its
+gradients (SFT) at 256 and 2048 tokens (llama3-8B head), three figures per call:
 
   host_us     time to issue one call without synchronising: the median over batches of HOST_BATCH calls, each
               batch started on an idle GPU (the GPU work queues up behind; the queue never fills); host_p25_us is
@@ -183,7 +184,7 @@ def moe_rows(base, quick):
 
 def lce_rows(base):
     from hopperkern import lce
-    from hopperkern.lce import rl
+    from hopperkern.lce import rl, sft
 
     H, V = LCE_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -227,6 +228,15 @@ def lce_rows(base):
             row["host_net_us"] = row["host_us"] - base["autograd_us"]
             rows.append(row)
             del kept
+
+            def sft_step():  # a mean cross-entropy loss and its gradients, the path "auto" picks
+                loss = lce.linear_cross_entropy(h, w, y, check_labels=check)
+                return torch.autograd.grad(loss, (h, w))
+
+            rows.append(dict(base, op="lce.sft forward+backward", shape=f"{H}x{V}", tokens=N, check=check,
+                             grad_path=sft.pick_path("auto", N, V, H, 2), **host_row(sft_step, 100),
+                             eager_us=eager_us(sft_step, 50), launches=count_launches(sft_step),
+                             graph_us=graph_us(sft_step, 20), host_calling_thread_us=calling_thread_host_us(sft_step)))
     return rows
 
 

@@ -684,3 +684,35 @@ def lce_split_finalize_kernel(hi_ptr, lo_ptr, g_ptr, out_ptr, n, BLOCK: tl.const
     mask = offs < n
     x = _join_f32(tl.load(hi_ptr + offs, mask=mask, other=0), tl.load(lo_ptr + offs, mask=mask, other=0))
     tl.store(out_ptr + offs, (x * tl.load(g_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def lce_loss_scale_kernel(labels_ptr, scale_ptr, N, ignore_index, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """scale[0] = the upstream gradient of every kept token's loss when the reduced loss has gradient 1:
+    1 / max(1, kept tokens) for a mean (labels != ignore_index, counted exactly in int32), 1 for a sum. One
+    program (grid (1,)), on the device: no host sync."""
+    count = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        lab = tl.load(labels_ptr + offs, mask=offs < N, other=0)
+        count += ((lab != ignore_index) & (offs < N)).to(tl.int32)
+    if MEAN:
+        scale = 1.0 / tl.maximum(tl.sum(count, 0), 1).to(tl.float32)
+    else:
+        scale = 1.0
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def lce_loss_total_kernel(loss_ptr, scale_ptr, out_ptr, share_ptr, N, SHARE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[0] = scale[0] * (the fp32 sum of the N per-token losses), summed in a fixed order (bitwise
+    reproducible); with SHARE, also share[n] = scale[0] for every token (each token's part of the reduced loss's
+    upstream gradient, the per-token gradient the backward reads). One program (grid (1,))."""
+    scale = tl.load(scale_ptr)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(loss_ptr + offs, mask=offs < N, other=0.0)
+        if SHARE:
+            tl.store(share_ptr + offs, tl.zeros((BLOCK,), tl.float32) + scale, mask=offs < N)
+    tl.store(out_ptr, tl.sum(acc, 0) * scale)

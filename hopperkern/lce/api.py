@@ -6,10 +6,12 @@ import torch
 
 from .._validate import _PLAIN_TENSORS, check_local_memory, options_key, real_tensor, sync_check, tensor_meta
 from .._validate import validate_once
+from ..tma import launch_context
 from ..tma.launcher import PlanCache, alignment_key, env_key
 from . import rl, sft
 from .launch import fast_mm_f32, forward_plan_for, logprobs_direct, validate_inputs
-from .ops import LceFunction, LceRlFunction, LceSftChunkedFunction, LceSftFunction, _opts, lce_forward_impl
+from .ops import LceFunction, LceReducedFunction, LceRlFunction, LceSftChunkedFunction, LceSftFunction, _opts
+from .ops import lce_forward_impl
 from .ops import lce_forward_op, lce_rl_forward_op, lce_sft_chunked_forward_op, lce_sft_forward_op
 
 __all__ = ["linear_cross_entropy", "linear_logprobs_entropy"]
@@ -180,6 +182,15 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         out = _eager_or_op(LceSftChunkedFunction, lce_sft_chunked_forward_op, *args, check, reduction == "mean",
                            hidden2d.requires_grad, weight.requires_grad)
         return out[0]
+    if reduction != "none" and process_group is None and not torch.compiler.is_compiling() and real_tensor(hidden2d):
+        # Eager: the reduction in two one-program kernels (the kept-token count, a fixed-order sum), one autograd
+        # node in all.
+        mean = reduction == "mean"
+        if grad:
+            return LceReducedFunction.apply(*args, check, mean)
+        loss = lce_forward_impl(*args, False, check, False, True)[0]
+        with launch_context(hidden2d, "hopperkern.lce"):
+            return sft.loss_total(loss, sft.loss_scale(lab, ignore_index, mean))[0]
     loss, _, _, _ = _forward(process_group, grad, *args, False, check)
     if reduction == "none":
         return loss.view(labels.shape)

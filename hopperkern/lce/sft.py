@@ -68,12 +68,14 @@ from .._host import cdiv
 from .._validate import check_choice, dot_precision
 from ..tma.launcher import Launch, LaunchCache, state_key, tensors_key
 from ..tuning import KernelConfig
-from ._kernels import lce_dweight_kernel, lce_sft_dlogits_kernel, lce_sft_fixup_kernel, lce_split_finalize_kernel
+from ._kernels import (lce_dweight_kernel, lce_loss_scale_kernel, lce_loss_total_kernel, lce_sft_dlogits_kernel,
+                       lce_sft_fixup_kernel, lce_split_finalize_kernel)
 from .launch import LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
            "balanced_chunk", "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
-           "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "narrow_tiles", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward"]
+           "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "narrow_tiles", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward",
+           "loss_scale", "loss_total"]
 
 SFT_PATHS = ("auto", "3pass", "chunked", "4pass")
 EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's memory allowance
@@ -98,6 +100,8 @@ _SFT_OP = "lce.sft_dlogits"  # the d(logits) launch's name in tma.last_decision
 # rl's d(logits) from exponentials), each bound once per problem (see LaunchCache.launch for what keys hold).
 _LAUNCHES = LaunchCache("lce.3pass")
 cached_launch = _LAUNCHES.launch
+# The device-side reductions of a sum or mean loss (every path's: :func:`loss_scale`, :func:`loss_total`).
+_REDUCE_LAUNCHES = LaunchCache("lce.reduce")
 
 
 def padded_cols(V: int) -> int:
@@ -266,6 +270,44 @@ def _sft_scalars(opts: LceOptions) -> tuple:
     return (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss))
 
 
+def _reduce_block() -> int:
+    # The one-program reductions read this many tokens a step (few steps on the interpreter's small tests too).
+    return 64 if _tma.interpreter_active() else 1024
+
+
+def loss_scale(labels1d: torch.Tensor, ignore_index: int, mean: bool) -> torch.Tensor:
+    """fp32 [1] on the labels' device: the upstream gradient of every kept token's loss for a reduced loss of
+    gradient 1, 1 / max(1, kept tokens) for a mean, 1 for a sum; one launch (``lce_loss_scale_kernel``), no host
+    sync. ``labels1d``: flat, contiguous."""
+    scale = torch.empty(1, dtype=torch.float32, device=labels1d.device)
+    N, block = labels1d.shape[0], _reduce_block()
+    tensors = (labels1d, scale)
+    key = ("loss_scale", labels1d.device, N, int(ignore_index), bool(mean), block, *state_key(),
+           *tensors_key(tensors))
+    _REDUCE_LAUNCHES.launch(key, lambda: (Launch(lce_loss_scale_kernel, (1,), *tensors, N, int(ignore_index),
+                                                 MEAN=bool(mean), BLOCK=block), None))(*tensors)
+    return scale
+
+
+def loss_total(loss: torch.Tensor, scale: torch.Tensor, *, share: bool = False):
+    """``(total, share)``: the 0-dim fp32 ``scale[0] * sum(loss)`` of the per-token fp32 losses [N] (contiguous),
+    summed in a fixed order (bitwise reproducible), and with ``share`` an fp32 [N] of scale[0] for every token
+    (each token's part of the total's upstream gradient; else None). One launch (``lce_loss_total_kernel``)."""
+    N, dev, block = loss.shape[0], loss.device, _reduce_block()
+    total = torch.empty((), dtype=torch.float32, device=dev)
+    part = torch.empty(N, dtype=torch.float32, device=dev) if share else None
+    tensors = (loss, scale, total, part if share else total)
+    key = ("loss_total", dev, N, bool(share), block, *state_key(), *tensors_key(tensors))
+    _REDUCE_LAUNCHES.launch(key, lambda: (Launch(lce_loss_total_kernel, (1,), *tensors, N, SHARE=bool(share),
+                                                 BLOCK=block), None))(*tensors)
+    return total, part
+
+
+def _joined(losses: list) -> torch.Tensor:
+    """One fp32 [N] of the per-chunk losses (the one chunk's own tensor when there is one)."""
+    return losses[0] if len(losses) == 1 else torch.cat(losses)
+
+
 def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
                     *, mean: bool, config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, dlogits)``: the fp32 sum (or mean over kept tokens, 0.0 when none is kept) of the per-token loss
@@ -281,16 +323,14 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     dl = torch.empty((N, ld), dtype=hidden2d.dtype, device=dev)
     if N == 0:
         return torch.zeros((), dtype=f32, device=dev), dl
-    count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
     # The upstream gradient of each kept token's loss, on the device (no host sync): 1 / kept tokens for "mean".
-    scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
+    scale = loss_scale(labels1d, opts.ignore_index, mean)
     store = _forward_logits if fp32_logits(hidden2d.dtype, opts.softcap, opts.label_smoothing) else _forward_exp
-    total = store(hidden2d, weight, labels1d, bias, opts, dl, scale, config)
-    return (total / count if mean else total), dl
+    return loss_total(store(hidden2d, weight, labels1d, bias, opts, dl, scale, config), scale)[0], dl
 
 
 def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, z=None) -> torch.Tensor:
-    """The sum of the per-token losses, with d(logits) written to ``dl``: per token chunk, a forward that stores
+    """The per-token losses (fp32 [N]), with d(logits) written to ``dl``: per token chunk, a forward that stores
     its fp32 logits, then d(logits) from them (any dtype and options; softcap's tanh factor needs the logits).
     ``z``: the fp32 [C, padded_cols(V)] logits buffer (C tokens a chunk), else one sized by :func:`chunk_bytes`."""
     N, H = hidden2d.shape
@@ -311,8 +351,8 @@ def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scal
         key = ("dlogits", z.device, rows, V, z.stride(0), out.stride(0), opts, *state_key(),
                *tensors_key(tensors))
         cached_launch(key, lambda: _dlogits_launch(tensors, rows, V, opts))(*tensors)
-        losses.append(loss.sum())
-    return torch.stack(losses).sum()
+        losses.append(loss)
+    return _joined(losses)
 
 
 def _dlogits_launch(tensors, rows: int, V: int, opts: LceOptions):
@@ -327,7 +367,7 @@ def _dlogits_launch(tensors, rows: int, V: int, opts: LceOptions):
 
 
 def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, mt=None) -> torch.Tensor:
-    """The sum of the per-token losses, with d(logits) written to ``dl``: one forward over all tokens that stores
+    """The per-token losses (fp32 [N]), with d(logits) written to ``dl``: one forward over all tokens that stores
     the exponentials, then the in-place fix-up (bf16 or fp32, no softcap, no label smoothing). ``mt``: the fp32
     per-tile maxima buffer ([>= N, >= V / block_n]), else one of that size."""
     N, H = hidden2d.shape
@@ -341,7 +381,7 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     key = ("fixup", dl.device, N, V, dl.stride(0), mt.stride(0), cfg.block_n, opts, *state_key(),
            *tensors_key(tensors))
     cached_launch(key, lambda: _fixup_launch(tensors, N, V, cfg.block_n, opts))(*tensors)
-    return loss.sum()
+    return loss
 
 
 def _fixup_launch(tensors, N: int, V: int, fwd_block_v: int, opts: LceOptions):
@@ -549,8 +589,7 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
         d_w.zero_()  # upper and lower halves of +0.0
         lo.zero_()
         return torch.zeros((), dtype=f32, device=dev), d_h, d_w, lo, d_b
-    count = (labels1d != opts.ignore_index).sum().clamp(min=1).to(f32)
-    scale = (1.0 / count if mean else torch.ones((), dtype=f32, device=dev)).reshape(1)
+    scale = loss_scale(labels1d, opts.ignore_index, mean)
     logits = fp32_logits(dt, opts.softcap, opts.label_smoothing)
     C = chunk or balanced_chunk(N, chunk_tokens(V, H, hidden2d.element_size(), logits=logits,
                                                 need_hidden_grad=need_hidden_grad, need_weight_grad=need_weight_grad,
@@ -590,8 +629,7 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
             _acc_mm_f32(d_w, d.t(), h_c, beta=int(c0 > 0))
         if bias is not None:
             d_b += d.sum(0, dtype=f32)
-    total = torch.stack(losses).sum()
-    return (total / count if mean else total), d_h, d_w, lo, d_b
+    return loss_total(_joined(losses), scale)[0], d_h, d_w, lo, d_b
 
 
 def _none(dev) -> torch.Tensor:

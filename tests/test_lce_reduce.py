@@ -1,0 +1,108 @@
+"""The device-side reduction of a sum or mean loss (hopperkern.lce.sft.loss_scale / loss_total) and the eager 4-pass
+path's single autograd node (LceReducedFunction), under the interpreter on CPU tensors (both memory paths)."""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from hopperkern import lce
+from hopperkern.lce import reference as ref
+from hopperkern.lce import sft
+from hopperkern.lce.ops import LceReducedFunction
+from test_lce import MODES, SHAPE, assert_close, call, make_inputs, run, upstream
+
+
+@pytest.mark.parametrize("N", [0, 1, 63, 64, 65, 200])
+@pytest.mark.parametrize("mean", [True, False], ids=["mean", "sum"])
+@pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32])
+def test_loss_scale_and_total(N, mean, label_dtype):
+    """scale = 1 / max(1, kept tokens) (mean) or 1 (sum), exactly; total = scale * sum(loss) to fp32 rounding of
+    an fp64 sum; share = scale for every token. Sizes around the interpreter's 64-token step, none kept, none at
+    all; a non-default ignore_index."""
+    g = torch.Generator(device=DEVICE).manual_seed(N)
+    labels = torch.randint(0, 50, (N,), generator=g, device=DEVICE).to(label_dtype)
+    labels[torch.rand(N, generator=g, device=DEVICE) < 0.3] = -7
+    loss = torch.rand(N, generator=g, device=DEVICE, dtype=torch.float32) * 5
+    scale = sft.loss_scale(labels, -7, mean)
+    count = int((labels != -7).sum())
+    expect = torch.tensor(1.0 / max(count, 1) if mean else 1.0, dtype=torch.float32)
+    assert scale.shape == (1,) and scale.dtype == torch.float32
+    assert scale.item() == expect.item()
+    total, share = sft.loss_total(loss, scale, share=True)
+    assert total.shape == () and total.dtype == torch.float32
+    exact = loss.double().sum() * expect.double()
+    assert abs(total.item() - exact.item()) <= 1e-6 * max(1.0, abs(exact.item()))
+    assert share.shape == (N,) and share.dtype == torch.float32 and bool((share == expect).all())
+    assert sft.loss_total(loss, scale)[1] is None
+
+
+def test_loss_total_all_ignored_and_nan():
+    """No kept token: a mean of 0.0 (scale 1 over losses of 0); a NaN loss (an unchecked bad label) stays NaN."""
+    labels = torch.full((9,), -100, device=DEVICE)
+    assert sft.loss_scale(labels, -100, True).item() == 1.0
+    assert sft.loss_total(torch.zeros(9, device=DEVICE), sft.loss_scale(labels, -100, True))[0].item() == 0.0
+    loss = torch.ones(9, device=DEVICE)
+    loss[4] = float("nan")
+    assert torch.isnan(sft.loss_total(loss, torch.ones(1, device=DEVICE))[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_eager_4pass_reduction(reduction, mode):
+    """An eager 4-pass sum or mean with autograd is one LceReducedFunction node whose loss and gradients match the
+    fp64 reference (ignored tokens, bias, z-loss and label smoothing included), and the same number as the no-grad
+    call (same kernels) and as the per-token losses reduced with torch."""
+    inp = make_inputs(SHAPE, bias=True, ignore=0.3)
+    kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=0.01, tma=mode, sft_path="4pass")
+    h = inp.hidden.clone().requires_grad_()
+    out = lce.linear_cross_entropy(h, inp.weight, inp.labels, bias=inp.bias, **kw)
+    assert type(out.grad_fn).__name__ == "LceReducedFunctionBackward"
+    (loss,), grads = run(call(lce.linear_cross_entropy, **kw), inp, [upstream(())])
+    kr = dict(reduction=reduction, label_smoothing=0.1, z_loss=0.01)
+    (expect,), expect_grads = run(call(ref.linear_cross_entropy, **kr), inp, [upstream(())],
+                                  dtype=torch.float64)
+    assert_close(loss, expect, 1e-5, "loss")
+    for g, e, name in zip(grads, expect_grads, ("d_hidden", "d_weight", "d_bias")):
+        assert_close(g, e, 1e-5, name)
+    with torch.no_grad():
+        nograd = lce.linear_cross_entropy(inp.hidden, inp.weight, inp.labels, bias=inp.bias, **kw)
+        per_token = lce.linear_cross_entropy(inp.hidden, inp.weight, inp.labels, bias=inp.bias,
+                                             **dict(kw, reduction="none"))
+    assert nograd.item() == loss.item()
+    torch_reduced = per_token.sum() / (inp.kept.sum() if reduction == "mean" else 1)
+    assert_close(loss, torch_reduced, 1e-6, "vs torch's reduction")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eager_4pass_reduction_backward_twice(mode):
+    """Through a retained graph the second backward adds the same gradients again (the token shares are kept,
+    not consumed), and a frozen weight gets none."""
+    inp = make_inputs(SHAPE, ignore=0.2)
+    h = inp.hidden.clone().requires_grad_()
+    loss = lce.linear_cross_entropy(h, inp.weight, inp.labels, tma=mode, sft_path="4pass")
+    loss.backward(retain_graph=True)
+    first = h.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(h.grad, 2 * first, rtol=0, atol=0)
+    assert inp.weight.grad is None
+
+
+def test_eager_4pass_reduction_errors_before_launch():
+    """Validation still runs first: a label of the wrong dtype raises TypeError with nothing launched."""
+    inp = make_inputs(SHAPE)
+    with pytest.raises(TypeError):
+        lce.linear_cross_entropy(inp.hidden.requires_grad_(), inp.weight, inp.labels.float(), sft_path="4pass")
+
+
+def test_reduced_function_is_the_eager_path_only(monkeypatch):
+    """reduction="none" and the custom op's traced path do not take it: they return per-token losses or reduce
+    them with torch ops."""
+    inp = make_inputs(SHAPE)
+    called = []
+    real = LceReducedFunction.apply
+    monkeypatch.setattr(LceReducedFunction, "apply", lambda *a: called.append(1) or real(*a))
+    h = inp.hidden.clone().requires_grad_()
+    out = lce.linear_cross_entropy(h, inp.weight, inp.labels, reduction="none", sft_path="4pass")
+    assert out.shape == inp.labels.shape and not called
+    lce.linear_cross_entropy(h, inp.weight, inp.labels, sft_path="4pass")
+    assert called == [1]
