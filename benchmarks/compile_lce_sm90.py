@@ -116,6 +116,14 @@ def main() -> int:
                          dict(BLOCK_V=t.block_v, BLOCK_H=t.block_h, BLOCK_K=t.block_k, GROUP_V=t.group, D_TMA=tma,
                               H_TMA=tma, O_TMA=o_tma, DOT_PRECISION="tf32", SPLIT=s, EPI_SUB=t.epi_sub,
                               NUM_PROGRAMS=132 if t.persistent else 0, FLATTEN=t.flatten), t.warps, t.stages)
+    for mean in (False, True):
+        comp(f"lce_loss_scale mean={int(mean)}", K.lce_loss_scale_kernel,
+             dict(labels_ptr="i64", scale_ptr="fp32", N=8192, ignore_index=-100), dict(MEAN=mean, BLOCK=1024), 4, 1)
+    for has_scale in (False, True):
+        for share in (False, True):
+            comp(f"lce_loss_total scale={int(has_scale)} share={int(share)}", K.lce_loss_total_kernel,
+                 dict(loss_ptr="fp32", scale_ptr="fp32", out_ptr="fp32", share_ptr="fp32", N=8192),
+                 dict(HAS_SCALE=has_scale, SHARE=share, BLOCK=1024), 4, 1)
     comp("lce_split_finalize 1024", K.lce_split_finalize_kernel,
          dict(hi_ptr="i16", lo_ptr="i16", g_ptr="fp32", out_ptr="bf16", n=V * H), dict(BLOCK=sft._FINALIZE_BLOCK), 4, 1)
     for tma in (False, True):

@@ -34,6 +34,9 @@ def test_loss_scale_and_total(N, mean, label_dtype):
     assert abs(total.item() - exact.item()) <= 1e-6 * max(1.0, abs(exact.item()))
     assert share.shape == (N,) and share.dtype == torch.float32 and bool((share == expect).all())
     assert sft.loss_total(loss, scale)[1] is None
+    plain, ones = sft.loss_total(loss, None, share=True)  # no scale: a sum
+    assert abs(plain.item() - loss.double().sum().item()) <= 1e-6 * max(1.0, loss.double().sum().item())
+    assert bool((ones == 1.0).all()) and ones.shape == (N,)
 
 
 def test_loss_total_all_ignored_and_nan():

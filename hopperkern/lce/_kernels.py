@@ -704,15 +704,20 @@ def lce_loss_scale_kernel(labels_ptr, scale_ptr, N, ignore_index, MEAN: tl.const
 
 
 @triton.jit
-def lce_loss_total_kernel(loss_ptr, scale_ptr, out_ptr, share_ptr, N, SHARE: tl.constexpr, BLOCK: tl.constexpr):
-    """out[0] = scale[0] * (the fp32 sum of the N per-token losses), summed in a fixed order (bitwise
-    reproducible); with SHARE, also share[n] = scale[0] for every token (each token's part of the reduced loss's
-    upstream gradient, the per-token gradient the backward reads). One program (grid (1,))."""
-    scale = tl.load(scale_ptr)
+def lce_loss_total_kernel(loss_ptr, scale_ptr, out_ptr, share_ptr, N, HAS_SCALE: tl.constexpr,
+                          SHARE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[0] = scale * (the fp32 sum of the N per-token losses), summed in a fixed order (bitwise reproducible),
+    scale = scale[0] with HAS_SCALE, else 1; with SHARE, also share[n] = scale for every token (each token's part
+    of the reduced loss's upstream gradient, the per-token gradient the backward reads). One program (grid (1,))."""
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = 1.0
     acc = tl.zeros((BLOCK,), tl.float32)
+    part = tl.zeros((BLOCK,), tl.float32) + scale
     for start in range(0, N, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         acc += tl.load(loss_ptr + offs, mask=offs < N, other=0.0)
         if SHARE:
-            tl.store(share_ptr + offs, tl.zeros((BLOCK,), tl.float32) + scale, mask=offs < N)
+            tl.store(share_ptr + offs, part, mask=offs < N)
     tl.store(out_ptr, tl.sum(acc, 0) * scale)

@@ -190,7 +190,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
             return LceReducedFunction.apply(*args, check, mean)
         loss = lce_forward_impl(*args, False, check, False, True)[0]
         with launch_context(hidden2d, "hopperkern.lce"):
-            return sft.loss_total(loss, sft.loss_scale(lab, ignore_index, mean))[0]
+            return sft.loss_total(loss, sft.loss_scale(lab, ignore_index, True) if mean else None)[0]
     loss, _, _, _ = _forward(process_group, grad, *args, False, check)
     if reduction == "none":
         return loss.view(labels.shape)

@@ -187,7 +187,8 @@ class LceReducedFunction(torch.autograd.Function):
         out = lce_forward_impl(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap,
                                temperature, tma, False, check, True)
         with launch_context(hidden, "hopperkern.lce"):
-            total, ctx.share = loss_total(out[0], loss_scale(labels, ignore_index, mean), share=True)
+            total, ctx.share = loss_total(out[0], loss_scale(labels, ignore_index, True) if mean else None,
+                                          share=True)
         _setup_context(ctx, (hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap,
                              temperature, tma), out)
         ctx.set_materialize_grads(False)

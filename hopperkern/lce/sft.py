@@ -289,17 +289,19 @@ def loss_scale(labels1d: torch.Tensor, ignore_index: int, mean: bool) -> torch.T
     return scale
 
 
-def loss_total(loss: torch.Tensor, scale: torch.Tensor, *, share: bool = False):
-    """``(total, share)``: the 0-dim fp32 ``scale[0] * sum(loss)`` of the per-token fp32 losses [N] (contiguous),
-    summed in a fixed order (bitwise reproducible), and with ``share`` an fp32 [N] of scale[0] for every token
-    (each token's part of the total's upstream gradient; else None). One launch (``lce_loss_total_kernel``)."""
+def loss_total(loss: torch.Tensor, scale: torch.Tensor | None, *, share: bool = False):
+    """``(total, share)``: the 0-dim fp32 ``scale[0] * sum(loss)`` of the per-token fp32 losses [N] (contiguous;
+    ``scale`` None: 1, a sum), summed in a fixed order (bitwise reproducible), and with ``share`` an fp32 [N] of
+    that scale for every token (each token's part of the total's upstream gradient; else None). One launch
+    (``lce_loss_total_kernel``)."""
     N, dev, block = loss.shape[0], loss.device, _reduce_block()
     total = torch.empty((), dtype=torch.float32, device=dev)
     part = torch.empty(N, dtype=torch.float32, device=dev) if share else None
-    tensors = (loss, scale, total, part if share else total)
-    key = ("loss_total", dev, N, bool(share), block, *state_key(), *tensors_key(tensors))
-    _REDUCE_LAUNCHES.launch(key, lambda: (Launch(lce_loss_total_kernel, (1,), *tensors, N, SHARE=bool(share),
-                                                 BLOCK=block), None))(*tensors)
+    tensors = (loss, total if scale is None else scale, total, part if share else total)
+    key = ("loss_total", dev, N, scale is not None, bool(share), block, *state_key(), *tensors_key(tensors))
+    _REDUCE_LAUNCHES.launch(key, lambda: (Launch(lce_loss_total_kernel, (1,), *tensors, N,
+                                                 HAS_SCALE=scale is not None, SHARE=bool(share), BLOCK=block),
+                                          None))(*tensors)
     return total, part
 
 
