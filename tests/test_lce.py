@@ -985,6 +985,9 @@ ERRORS = [
         "tma must be one of ('auto', 'always', 'never'), got 'sometimes'"),
     Err("ignore_index float", lambda a: {**a, "ignore_index": -100.0}, TypeError,
         "ignore_index must be an int, got float"),
+    Err("ignore_index beyond int32 labels", lambda a: {**a, "labels": a["labels"].int(), "ignore_index": 2**31},
+        ValueError, "ignore_index must be within the range of the labels' dtype torch.int32 "
+        "[-2147483648, 2147483647], got 2147483648"),
     Err("logprobs: labels float", lambda a: {**a, "labels": a["labels"].float()}, TypeError,
         "labels must be int32 or int64, got float32", lce.linear_logprobs_entropy),
     Err("logprobs: temperature", lambda a: {**a, "temperature": 0}, ValueError,

@@ -690,14 +690,15 @@ def lce_split_finalize_kernel(hi_ptr, lo_ptr, g_ptr, out_ptr, n, BLOCK: tl.const
 def lce_loss_scale_kernel(labels_ptr, scale_ptr, N, ignore_index, MEAN: tl.constexpr, BLOCK: tl.constexpr):
     """scale[0] = the upstream gradient of every kept token's loss when the reduced loss has gradient 1:
     1 / max(1, kept tokens) for a mean (labels != ignore_index, counted exactly in int32), 1 for a sum. One
-    program (grid (1,)), on the device: no host sync."""
+    program (grid (1,)), on the device: no host sync. 1 / count is an fp64 division rounded to fp32 (a GPU's fp32
+    division in Triton is approximate: 1 ulp off for some counts)."""
     count = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, N, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.arange(0, BLOCK).to(tl.int64) + start
         lab = tl.load(labels_ptr + offs, mask=offs < N, other=0)
         count += ((lab != ignore_index) & (offs < N)).to(tl.int32)
     if MEAN:
-        scale = 1.0 / tl.maximum(tl.sum(count, 0), 1).to(tl.float32)
+        scale = (1.0 / tl.maximum(tl.sum(count, 0), 1).to(tl.float64)).to(tl.float32)
     else:
         scale = 1.0
     tl.store(scale_ptr, scale)
@@ -716,7 +717,7 @@ def lce_loss_total_kernel(loss_ptr, scale_ptr, out_ptr, share_ptr, N, HAS_SCALE:
     acc = tl.zeros((BLOCK,), tl.float32)
     part = tl.zeros((BLOCK,), tl.float32) + scale
     for start in range(0, N, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.arange(0, BLOCK).to(tl.int64) + start
         acc += tl.load(loss_ptr + offs, mask=offs < N, other=0.0)
         if SHARE:
             tl.store(share_ptr + offs, part, mask=offs < N)

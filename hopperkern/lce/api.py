@@ -182,7 +182,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         out = _eager_or_op(LceSftChunkedFunction, lce_sft_chunked_forward_op, *args, check, reduction == "mean",
                            hidden2d.requires_grad, weight.requires_grad)
         return out[0]
-    if reduction != "none" and process_group is None and not torch.compiler.is_compiling() and real_tensor(hidden2d):
+    if (reduction != "none" and process_group is None and not torch.compiler.is_compiling() and real_tensor(hidden2d)
+            and hidden2d.shape[0]):
         # Eager: the reduction in two one-program kernels (the kept-token count, a fixed-order sum), one autograd
         # node in all.
         mean = reduction == "mean"

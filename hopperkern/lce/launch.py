@@ -107,6 +107,10 @@ def validate_inputs(hidden, weight, labels, bias, *, ignore_index, label_smoothi
         raise ValueError(f"bias must have shape ({V},), got {tuple(bias.shape)}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    bounds = torch.iinfo(labels.dtype)
+    if not bounds.min <= ignore_index <= bounds.max:
+        raise ValueError(f"ignore_index must be within the range of the labels' dtype {labels.dtype} "
+                         f"[{bounds.min}, {bounds.max}], got {ignore_index}")
     check_float("label_smoothing", label_smoothing, low=0.0, high=1.0)
     check_float("z_loss", z_loss, low=0.0)
     check_float("temperature", temperature, low=0.0, low_open=True)

@@ -12,7 +12,8 @@ exponentials that its backward turns into d(logits) in place).
 Eager calls that autograd records skip the dispatcher: ``LceFunction``, ``LceSftFunction``,
 ``LceSftChunkedFunction`` and ``LceRlFunction`` run
 the same forward and backward functions as autograd functions, without the custom ops' per-call wrappers, and the RL
-one bumps the version of what its backward overwrites, as the op's declared mutation does.
+one bumps the version of what its backward overwrites, as the op's declared mutation does. ``LceReducedFunction``
+is ``LceFunction`` with a sum or mean of its per-token losses taken on the device (eager 4-pass calls).
 """
 
 from __future__ import annotations
@@ -177,9 +178,9 @@ class LceReducedFunction(torch.autograd.Function):
     """The 4-pass path's sum or mean loss for eager calls that autograd records: the forward of
     :class:`LceFunction`, its per-token losses reduced on the device by two one-program kernels
     (:func:`sft.loss_scale`, :func:`sft.loss_total`: the kept-token count and a fixed-order sum), and a backward
-    that hands every token its part of the upstream gradient as one fp32 [N] vector to the same backward. One
-    autograd node and five launches fewer per step than a sum and a division after :class:`LceFunction`. Traced
-    calls reduce the op's per-token losses with torch ops instead."""
+    that hands every token its part of the upstream gradient as one fp32 [N] vector to the same backward: one
+    autograd node, three launches beside the op's own per step. Traced calls reduce the op's per-token losses
+    with torch ops instead."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma,

@@ -279,6 +279,7 @@ def loss_scale(labels1d: torch.Tensor, ignore_index: int, mean: bool) -> torch.T
     """fp32 [1] on the labels' device: the upstream gradient of every kept token's loss for a reduced loss of
     gradient 1, 1 / max(1, kept tokens) for a mean, 1 for a sum; one launch (``lce_loss_scale_kernel``), no host
     sync. ``labels1d``: flat, contiguous."""
+    _check_flat("labels1d", labels1d)
     scale = torch.empty(1, dtype=torch.float32, device=labels1d.device)
     N, block = labels1d.shape[0], _reduce_block()
     tensors = (labels1d, scale)
@@ -294,6 +295,9 @@ def loss_total(loss: torch.Tensor, scale: torch.Tensor | None, *, share: bool = 
     ``scale`` None: 1, a sum), summed in a fixed order (bitwise reproducible), and with ``share`` an fp32 [N] of
     that scale for every token (each token's part of the total's upstream gradient; else None). One launch
     (``lce_loss_total_kernel``)."""
+    _check_flat("loss", loss)
+    if loss.dtype != torch.float32 or (scale is not None and (scale.dtype != torch.float32 or scale.numel() != 1)):
+        raise TypeError("loss_total: fp32 losses and an fp32 [1] scale")
     N, dev, block = loss.shape[0], loss.device, _reduce_block()
     total = torch.empty((), dtype=torch.float32, device=dev)
     part = torch.empty(N, dtype=torch.float32, device=dev) if share else None
@@ -303,6 +307,12 @@ def loss_total(loss: torch.Tensor, scale: torch.Tensor | None, *, share: bool = 
                                                  HAS_SCALE=scale is not None, SHARE=bool(share), BLOCK=block),
                                           None))(*tensors)
     return total, part
+
+
+def _check_flat(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a flat contiguous tensor, got shape {tuple(t.shape)} and strides "
+                         f"{t.stride()}")
 
 
 def _joined(losses: list) -> torch.Tensor:
