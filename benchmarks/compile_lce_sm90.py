@@ -118,12 +118,12 @@ def main() -> int:
                               NUM_PROGRAMS=132 if t.persistent else 0, FLATTEN=t.flatten), t.warps, t.stages)
     for mean in (False, True):
         comp(f"lce_loss_scale mean={int(mean)}", K.lce_loss_scale_kernel,
-             dict(labels_ptr="i64", scale_ptr="fp32", N=8192, ignore_index=-100), dict(MEAN=mean, BLOCK=1024), 4, 1)
+             dict(labels_ptr="i64", scale_ptr="fp32", N=8192, ignore_index=-100), dict(MEAN=mean, BLOCK=4096), 8, 3)
     for has_scale in (False, True):
         for share in (False, True):
             comp(f"lce_loss_total scale={int(has_scale)} share={int(share)}", K.lce_loss_total_kernel,
                  dict(loss_ptr="fp32", scale_ptr="fp32", out_ptr="fp32", share_ptr="fp32", N=8192),
-                 dict(HAS_SCALE=has_scale, SHARE=share, BLOCK=1024), 4, 1)
+                 dict(HAS_SCALE=has_scale, SHARE=share, BLOCK=4096), 8, 3)
     comp("lce_split_finalize 1024", K.lce_split_finalize_kernel,
          dict(hi_ptr="i16", lo_ptr="i16", g_ptr="fp32", out_ptr="bf16", n=V * H), dict(BLOCK=sft._FINALIZE_BLOCK), 4, 1)
     for tma in (False, True):

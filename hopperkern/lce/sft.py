@@ -271,8 +271,12 @@ def _sft_scalars(opts: LceOptions) -> tuple:
 
 
 def _reduce_block() -> int:
-    # The one-program reductions read this many tokens a step (few steps on the interpreter's small tests too).
-    return 64 if _tma.interpreter_active() else 1024
+    # The one-program reductions read this many tokens a step with _REDUCE_WARPS warps (few steps on the
+    # interpreter's small tests too).
+    return 64 if _tma.interpreter_active() else 4096
+
+
+_REDUCE_WARPS = 8
 
 
 def loss_scale(labels1d: torch.Tensor, ignore_index: int, mean: bool) -> torch.Tensor:
@@ -286,7 +290,8 @@ def loss_scale(labels1d: torch.Tensor, ignore_index: int, mean: bool) -> torch.T
     key = ("loss_scale", labels1d.device, N, int(ignore_index), bool(mean), block, *state_key(),
            *tensors_key(tensors))
     _REDUCE_LAUNCHES.launch(key, lambda: (Launch(lce_loss_scale_kernel, (1,), *tensors, N, int(ignore_index),
-                                                 MEAN=bool(mean), BLOCK=block), None))(*tensors)
+                                                 MEAN=bool(mean), BLOCK=block, num_warps=_REDUCE_WARPS),
+                                          None))(*tensors)
     return scale
 
 
@@ -304,7 +309,8 @@ def loss_total(loss: torch.Tensor, scale: torch.Tensor | None, *, share: bool = 
     tensors = (loss, total if scale is None else scale, total, part if share else total)
     key = ("loss_total", dev, N, scale is not None, bool(share), block, *state_key(), *tensors_key(tensors))
     _REDUCE_LAUNCHES.launch(key, lambda: (Launch(lce_loss_total_kernel, (1,), *tensors, N,
-                                                 HAS_SCALE=scale is not None, SHARE=bool(share), BLOCK=block),
+                                                 HAS_SCALE=scale is not None, SHARE=bool(share), BLOCK=block,
+                                                 num_warps=_REDUCE_WARPS),
                                           None))(*tensors)
     return total, part
 
