@@ -100,7 +100,7 @@ _SFT_OP = "lce.sft_dlogits"  # the d(logits) launch's name in tma.last_decision
 # rl's d(logits) from exponentials), each bound once per problem (see LaunchCache.launch for what keys hold).
 _LAUNCHES = LaunchCache("lce.3pass")
 cached_launch = _LAUNCHES.launch
-# The device-side reductions of a sum or mean loss (every path's: :func:`loss_scale`, :func:`loss_total`).
+# The device-side reductions of an eager sum or mean loss (:func:`loss_scale`, :func:`loss_total`).
 _REDUCE_LAUNCHES = LaunchCache("lce.reduce")
 
 
