@@ -15,6 +15,7 @@ def main() -> int:
 
     from benchmarks.compile_moe_sm90 import _ptxas_stats, _signature
     from hopperkern.lce import _kernels as K
+    from hopperkern.lce import launch as L
     from hopperkern.lce import rl, sft
     from hopperkern.lce.sft import store_z_config
     from hopperkern.tuning import KernelConfig
@@ -55,7 +56,7 @@ def main() -> int:
                               stride_zn=V, stride_mt=1024, softcap=1.0, inv_temp=1.0),
                          dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
                               NEED_T=store in ("", "et"), NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
-                              DOT_PRECISION="tf32", PICK_LABEL=True, STORE_Z=store == "z",
+                              DOT_PRECISION="tf32", PICK_LABEL=False, STORE_Z=store == "z",
                               STORE_E=store[:1] == "e", E_TMA=tma and store[:1] == "e"),
                          w, st)
                 comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,
@@ -68,6 +69,16 @@ def main() -> int:
                           HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False, NUM_PROGRAMS=132, FLATTEN=fl,
                           H_TMA=tma, W_TMA=tma, D_TMA=tma, DOT_PRECISION="tf32"),
                      w, st)
+    # lce_label_mma_kernel in its shipped launch (launch._LABEL_MMA_*), at the forward's K steps.
+    for bk in (64, 128):
+        for tma in (False, True):
+            for softcap in (False, True):
+                comp(f"lce_label_mma {L._LABEL_MMA_ROWS}x{bk} w{L._LABEL_MMA_WARPS} s{L._LABEL_MMA_STAGES} "
+                     f"tma={int(tma)} softcap={int(softcap)}", K.lce_label_mma_kernel,
+                     dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", zlab_ptr="fp32", N=N, V=V, H=H,
+                          stride_hn=H, stride_hk=1, stride_wv=H, stride_wk=1, softcap=30.0, inv_temp=1.0),
+                     dict(BLOCK_N=L._LABEL_MMA_ROWS, BLOCK_K=bk, HAS_BIAS=softcap, SOFTCAP=softcap, H_TMA=tma,
+                          DOT_PRECISION="tf32"), L._LABEL_MMA_WARPS, L._LABEL_MMA_STAGES)
     for softcap in (False, True):
         comp(f"lce_onehot   softcap={int(softcap)}", K.lce_onehot_kernel,
              dict(labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32",

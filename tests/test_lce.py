@@ -574,14 +574,23 @@ PLANS = [pytest.param((1, 7), id="1 split of all 7 tiles"), pytest.param((3, 3),
          pytest.param((7, 1), id="7 splits of 1 tile")]
 
 
-@pytest.mark.parametrize("pick_label", [True, False], ids=["label from tiles", "label from row dot"])
+# Where a forward takes its labels' logits from: (pick_label, launch._LABEL_MMA).
+LABEL_SOURCES = [pytest.param((True, False), id="label from tiles"),
+                 pytest.param((True, True), id="label from the label kernel"),
+                 pytest.param((False, None), id="label from row dot")]
+
+
+@pytest.mark.parametrize("source", LABEL_SOURCES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("plan", PLANS)
-def test_forward_vocab_splits(plan, mode, pick_label, monkeypatch):
+def test_forward_vocab_splits(plan, mode, source, monkeypatch):
     """A forced config (block_n=16: 7 vocab tiles, 3 row blocks) and a forced (splits, tiles per split) plan:
     the online LSE inside a split and the merge across splits give per-token loss, log-prob, entropy and LSE
-    equal to the reference with every option set, whatever the split heuristic picks; the label's logit picked
-    from the tiles (each split's pick merged) or taken from the row dot product."""
+    equal to the reference with every option set (bias, softcap, temperature), whatever the split heuristic
+    picks; the label's logit picked from the tiles (each split's pick merged), computed by lce_label_mma_kernel,
+    or taken from the row dot product."""
+    pick_label, by_mma = source
+    monkeypatch.setattr(launch, "_LABEL_MMA", by_mma)
     cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
     asked = []
     monkeypatch.setattr(launch, "forward_plan", lambda *args: asked.append(args) or plan)
@@ -599,14 +608,18 @@ def test_forward_vocab_splits(plan, mode, pick_label, monkeypatch):
     assert_close(lse, torch.logsumexp(z, -1), FP32_RTOL, "lse")
 
 
+@pytest.mark.parametrize("by_mma", [False, True], ids=["pick in tiles", "label kernel"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("plan", [PLANS[0], PLANS[2]])
-def test_label_pick_at_tile_edges(plan, mode, monkeypatch):
+def test_label_pick_at_tile_edges(plan, mode, by_mma, monkeypatch):
     """The forward's label pick, which runs only in the vocab tiles that hold a label of their rows, misses no
     label: with labels clustered (row block 0 all in tile 1; row block 1 only at the last column of tile 0 and the
     first of tile 3, so each of those tiles holds one label, at its edge; row block 2 in the ragged tail tile and
     ignored), log p, loss and LSE equal the fp64 reference. (Picking in a tile without a label adds exactly 0, so
-    no result can show that such tiles are skipped; this guards against skipping one that holds a label.)"""
+    no result can show that such tiles are skipped; this guards against skipping one that holds a label.) The
+    label kernel (lce_label_mma_kernel, the GPU's way for 16-bit inputs) gives the same on these labels: repeated
+    ones, the first and last vocab rows, ignored rows and a ragged last row block."""
+    monkeypatch.setattr(launch, "_LABEL_MMA", by_mma)
     monkeypatch.setattr(launch, "forward_plan", lambda *args: plan)
     N, V, H = SHAPE
     cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
@@ -624,6 +637,44 @@ def test_label_pick_at_tile_edges(plan, mode, monkeypatch):
     assert_close(lp, want, FP32_RTOL, "logprob")
     assert_close(loss, -want, FP32_RTOL, "loss")
     assert_close(lse, torch.logsumexp(z, -1), FP32_RTOL, "lse")
+
+
+def test_label_kernel_where_its_products_are_the_tiles():
+    """lce_label_mma_kernel stands in for the in-tile pick exactly where its tensor-core products equal the
+    forward's tiles bit for bit (16-bit inputs on the GPU; checked bitwise by the GPU tests), never under the
+    interpreter (numpy's dot) or for fp32 inputs (an FMA dot)."""
+    assert launch._LABEL_MMA is None
+    assert launch.label_by_mma(torch.bfloat16, False) and launch.label_by_mma(torch.float16, False)
+    assert not launch.label_by_mma(torch.float32, False)
+    assert not any(launch.label_by_mma(dt, True) for dt in (torch.bfloat16, torch.float16, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_label_kernel_shard_local_labels(mode, dtype, monkeypatch):
+    """lce_label_mma_kernel's labels outside [0, V) (another vocab shard's, negative; ignored ones) and a row
+    block of 64 rows over 37 tokens: the per-split statistics of a stats-only forward hold the label's logit for
+    every label inside the shard and 0 for the others, as the in-tile pick gives them (fp16 and fp32, bias,
+    softcap, temperature), within fp32 rounding under the interpreter."""
+    N, V, H = SHAPE
+    inp = make_inputs(SHAPE, dtype, bias=True)
+    labels = inp.labels.clone()
+    labels[3::4] = -7  # held by another shard
+    labels[5::9] = -100
+    opts = launch.LceOptions(tma=mode, ignore_index=-100, softcap=3.0, temperature=0.7)
+    cfg = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+    zl = {}
+    for by_mma in (False, True):
+        monkeypatch.setattr(launch, "_LABEL_MMA", by_mma)
+        stats = launch.lce_forward(inp.hidden, inp.weight, labels, inp.bias, opts, config=cfg, pick_label=True,
+                                   stats_only=True)
+        zl[by_mma] = stats[-1].sum(0)
+    z = ref.reference_logits(inp.hidden.double(), inp.weight.double(), inp.bias.double(), 3.0, 0.7)
+    inside = (labels >= 0) & (labels < V)
+    want = torch.where(inside, z.gather(1, labels.clamp(0, V - 1)[:, None])[:, 0], 0.0)
+    assert_close(zl[False], want, 1e-5 if dtype == torch.float32 else 1e-3, "picked label logit")
+    assert torch.equal(zl[True] == 0, ~inside), "the label kernel's zeros are the labels outside the shard"
+    assert_close(zl[True], zl[False], 1e-5, "label kernel against the in-tile pick")
 
 
 def test_label_pick_only_when_a_backward_follows(monkeypatch):

@@ -502,3 +502,46 @@ def test_rl_mixed_memory_within_its_budget():
     N, V, H = 32768, 128256, 4096
     assert 0 < rl.stored_rows("auto", N, V, H, torch.bfloat16) < N
     _rl_step_within_budget(N, V, H, expect_path("auto", rl=True, backward=False), "mixed")
+
+
+LABEL_KERNEL_CASES = [
+    pytest.param(((1000, 128256, 4096), {}), id="N1000-V128256-H4096"),
+    pytest.param(((4097, 151936, 896), dict(temperature=0.7)), id="N4097-V151936-H896-temperature"),
+    pytest.param(((333, 32003, 2304), dict(softcap=30.0, temperature=1.3, bias=True)), id="N333-V32003-bias-softcap"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("case", LABEL_KERNEL_CASES)
+def test_label_kernel_equals_the_tiles_bitwise(case, mode, dtype, monkeypatch):
+    """On the GPU a forward that a backward follows takes its labels' logits from lce_label_mma_kernel instead of
+    picking them out of the forward's tiles: that is only right if the two agree bit for bit (log p = z_label - lse
+    of a confident prediction needs the tiles' own rounding). Per-split statistics of a stats-only forward, both
+    ways, at the tuned tiles and the 128 x 128 ones of the storing forwards: every label's logit equal, bitwise,
+    with labels of other shards (negative) and ignored ones giving 0, at a ragged N, with bias, softcap and
+    temperature."""
+    from hopperkern.lce import launch
+    from hopperkern.tuning import KernelConfig
+
+    (N, V, H), opt = case
+    inp = make_inputs((N, V, H), dtype, device=DEV, bias=opt.get("bias", False))
+    labels = inp.labels.clone()
+    labels[3::17] = -5
+    labels[5::23] = -100
+    opts = launch.LceOptions(tma=mode, softcap=opt.get("softcap", 0.0), temperature=opt.get("temperature", 1.0))
+    tuned = launch.pick_config("forward", dtype, N, H)
+    narrow = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4, flatten=True)
+    assert launch.label_by_mma(dtype, False)
+    for cfg in (tuned, narrow):
+        zl = {}
+        for by_mma in (False, True):
+            monkeypatch.setattr(launch, "_LABEL_MMA", by_mma)
+            stats = launch.lce_forward(inp.hidden, inp.weight, labels, inp.bias, opts, config=cfg, pick_label=True,
+                                       stats_only=True)
+            assert stats[-1].shape[0] == (1 if by_mma else stats[0].shape[0])
+            zl[by_mma] = stats[-1].sum(0)
+        differ = int((zl[True] != zl[False]).sum())
+        assert differ == 0, f"{differ} of {N} label logits differ at {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+        inside = (labels >= 0) & (labels < V)
+        assert torch.equal(zl[True] == 0, ~inside)

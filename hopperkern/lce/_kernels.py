@@ -34,9 +34,17 @@ def _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk,
         h = load_2d(h_src, row0, k * BLOCK_K, N, H, stride_hn, stride_hk, BLOCK_N, BLOCK_K, H_TMA)
         w = load_2d(w_src, col0, k * BLOCK_K, V, H, stride_wv, stride_wk, BLOCK_V, BLOCK_K, W_TMA)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    cols = col0 + tl.arange(0, BLOCK_V)
+    return _final_logits(acc, b_ptr, cols, cols < V, softcap, inv_temp, HAS_BIAS, SOFTCAP)
+
+
+@triton.jit
+def _final_logits(acc, b_ptr, cols, col_ok, softcap, inv_temp, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The final logits of a tile of dot products ``acc`` [R, C] whose column c belongs to vocab row ``cols[c]``:
+    + bias, softcap, / temperature. One body for the forward's tiles and lce_label_mma_kernel's, so both round
+    every step the same way."""
     if HAS_BIAS:
-        cols = col0 + tl.arange(0, BLOCK_V)
-        acc += tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SOFTCAP:
         acc = softcap * _tanh(acc / softcap)
     return acc * inv_temp
@@ -67,14 +75,16 @@ def lce_forward_kernel(
     BLOCK_V tiles, keeping m/s/t/sumz in registers across its tiles. Programs are ordered GROUP_N row blocks
     per split sweep (see ``hopperkern.tma.jit.grouped_tile``).
 
-    PICK_LABEL (when a backward will follow): the label's logit is picked from the same tiles that feed the
-    log-sum-exp (a compare-select-sum per tile): log p = z_label - lse is then the difference of two numbers
-    with the same rounding of the logits, and for a confident prediction p - 1 (the whole gradient at the
-    label) keeps its precision. A label logit from a separate dot product (lce_label_logit_kernel, the no-grad
-    path) differs from the tile's by the fp32 summation error (~1e-6): harmless in log p itself, but a relative
-    error of ~1e-6 / (1 - p) in p - 1, 1 % at p = 0.9999, more than one bf16 rounding. The pick costs the
-    no-grad forward ~5-8 % on the H200 (one more [BLOCK_N, BLOCK_V] compare-select-sum per tile) where every
-    tile pays it, so it is only done for the backward, and only in the tiles that hold a label of their rows.
+    PICK_LABEL (when a backward will follow, where lce_label_mma_kernel cannot stand in: the interpreter, fp32
+    inputs): the label's logit is picked from the same tiles that feed the log-sum-exp (a compare-select-sum per
+    tile): log p = z_label - lse is then the difference of two numbers with the same rounding of the logits, and
+    for a confident prediction p - 1 (the whole gradient at the label) keeps its precision. A label logit from a
+    separate fp32 dot product (lce_label_logit_kernel, the no-grad path) differs from the tile's by the fp32
+    summation error (~1e-6): harmless in log p itself, but a relative error of ~1e-6 / (1 - p) in p - 1, 1 % at
+    p = 0.9999, more than one bf16 rounding. lce_label_mma_kernel gives the tile's own value for 16-bit inputs
+    on the GPU without touching the tiles: there the pick (in the tiles that hold a label of their rows) took
+    the forward from 173-191 registers per thread without spills to 255 with 332-636 bytes of spills at
+    128 x 256 tiles on sm_90, and 8-11 % of its time on the H200.
 
     STORE_Z (the 3-pass SFT path with softcap, :mod:`hopperkern.lce.sft`): every tile's final fp32 logits are
     also written to ``z`` (columns >= V clipped), from which lce_sft_dlogits_kernel forms d(logits) once the LSE
@@ -88,8 +98,6 @@ def lce_forward_kernel(
     the tile of 16-bit values is staged through shared memory at the forward's own tiling (an fp32 tile at
     128 x 256 would not fit beside the operand pipeline).
     """
-    tl.static_assert(not (STORE_Z or STORE_E) or PICK_LABEL,
-                     "STORE_Z / STORE_E are for a forward that a backward follows (PICK_LABEL)")
     tl.static_assert(not (STORE_Z and STORE_E), "one of STORE_Z and STORE_E")
     pid = tl.program_id(0)
     rb, split = grouped_tile(pid, tl.cdiv(N, BLOCK_N), S, GROUP_N)
@@ -178,8 +186,8 @@ def lce_label_logit_kernel(
 ):
     """z[n, label[n]] as a row-wise dot of h[n] with the gathered row w[label[n]]. Grid (cdiv(N, BLOCK_N),).
 
-    O(N*H) work, against O(N*V*H) for the logits: cheaper than picking the label out of the tiles that hold
-    it, which the forward kernel does instead (PICK_LABEL) when a backward will follow (see lce_forward_kernel)."""
+    O(N*H) work, against O(N*V*H) for the logits. A forward that a backward follows needs the tiles' own value
+    instead (lce_label_mma_kernel, or the forward kernel's PICK_LABEL; see lce_forward_kernel)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
@@ -194,6 +202,47 @@ def lce_label_logit_kernel(
     if SOFTCAP:
         acc = softcap * _tanh(acc / softcap)
     tl.store(zlab_ptr + rows, tl.where(lab_ok, acc * inv_temp, 0.0), mask=row_ok)
+
+
+@triton.jit
+def lce_label_mma_kernel(
+    h_ptr,  # [N, H] fp16/bf16
+    w_ptr,  # [V, H] same dtype
+    b_ptr,  # [V] or dummy
+    labels_ptr,  # [N] int
+    zlab_ptr,  # [N] fp32 out: final logit z of the label (0 where the label is ignored or outside [0, V))
+    N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, softcap, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    H_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """z[n, label[n]] for a forward that a backward follows, bit for bit the logit lce_forward_kernel's tiles give
+    that entry (16-bit inputs on the GPU). Grid (cdiv(N, BLOCK_N),).
+
+    One program takes BLOCK_N rows and the BLOCK_N weight rows of their labels (gathered) and runs the same
+    tensor-core products as the forward's tiles: a [BLOCK_N, BLOCK_N] tile of h . w[label] over the whole hidden
+    size in the same K order with fp32 accumulation, then :func:`_final_logits`; row r keeps its diagonal entry.
+    A tensor-core product of one entry depends on that entry's row and column alone, not on the tile around it,
+    so the result equals the forward's own logit (the GPU tests check this bitwise), and log p = z_label - lse
+    keeps the precision of a confident prediction's p - 1. It replaces the in-tile pick (PICK_LABEL), whose
+    compare-select-sum over every tile raised the forward's register use over sm_90's 255 per thread. The work
+    is O(N * BLOCK_N * H), 1 / (V / BLOCK_N) of the forward's."""
+    row0 = tl.program_id(0) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+    lab_ok = row_ok & (labels >= 0) & (labels < V)  # in the labels' dtype: narrowing first could wrap
+    labels = tl.where(lab_ok, labels, 0)
+    h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
+    acc = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        # Hidden tail (k >= H) reads zeros from both operands, as in _logits_tile.
+        h = load_2d(h_src, row0, k * BLOCK_K, N, H, stride_hn, stride_hk, BLOCK_N, BLOCK_K, H_TMA)
+        w = load_rows(w_ptr, labels, lab_ok, k * BLOCK_K, H, stride_wv, stride_wk, BLOCK_K, False)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    z = _final_logits(acc, b_ptr, labels, lab_ok, softcap, inv_temp, HAS_BIAS, SOFTCAP)
+    diag = tl.arange(0, BLOCK_N)[:, None] == tl.arange(0, BLOCK_N)[None, :]
+    zlab = tl.sum(tl.where(diag, z, 0.0), 1)
+    tl.store(zlab_ptr + rows, tl.where(lab_ok, zlab, 0.0), mask=row_ok)
 
 
 @triton.jit

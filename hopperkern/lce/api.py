@@ -30,8 +30,8 @@ def _autocast(*tensors):
 
 
 def _backward_follows(*tensors) -> bool:
-    """Whether autograd records this call: then the forward takes the label's logit from the log-sum-exp's own
-    tiles (see :func:`hopperkern.lce.launch.lce_forward`, ``pick_label``)."""
+    """Whether autograd records this call: then the forward takes the label's logit as the log-sum-exp's own
+    tiles computed it (see :func:`hopperkern.lce.launch.lce_forward`, ``pick_label``)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 

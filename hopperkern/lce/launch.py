@@ -42,6 +42,7 @@ from ._kernels import (
     lce_dlogits_kernel,
     lce_forward_kernel,
     lce_label_logit_kernel,
+    lce_label_mma_kernel,
     lce_onehot_kernel,
 )
 
@@ -58,6 +59,9 @@ _COMBINE_BLOCK = 128
 _TARGET_WAVES = 20
 _ROW_BLOCK = 32  # rows per program of the O(N*H) label-logit kernel (no-grad forwards)
 _ROW_BLOCK_K = 128
+# lce_label_mma_kernel's launch: rows (and gathered label rows) per program, warps, pipeline stages.
+_LABEL_MMA_ROWS, _LABEL_MMA_WARPS, _LABEL_MMA_STAGES = 64, 4, 4
+_LABEL_MMA: bool | None = None  # tests: True / False force the label kernel / the in-tile pick (None: label_by_mma)
 _MIN_SPLIT_COLS = 4096  # vocab columns per forward program at least (a split's start-up and stores amortised)
 _PROGRAM_COST = 0.5  # a forward program's start-up and statistics stores, in vocab tiles' time (forward_plan)
 _FEW_WAVES = 5  # forward_plan weighs the last wave's fill where the cap's plan runs in at most this many waves
@@ -203,6 +207,16 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int, weigh_waves: 
     return min((plan(s) for s in range(cap, (cap - 1) // 2, -1)), key=cost)  # the first (larger S) on a tie
 
 
+def label_by_mma(dtype, interpreted: bool) -> bool:
+    """Whether a forward that a backward follows takes its labels' logits from ``lce_label_mma_kernel`` (16-bit
+    inputs on the GPU: tensor-core products, the same bit for bit as the forward's tiles) rather than picking them
+    out of the tiles (``PICK_LABEL``): the interpreter's dot (numpy) and fp32 inputs' FMA dot promise no such
+    equality, so they keep the pick."""
+    if _LABEL_MMA is not None:
+        return _LABEL_MMA
+    return not interpreted and dtype in (torch.float16, torch.bfloat16)
+
+
 def _sm_count(device) -> int:
     cap = _tma.capability(device)
     if cap.interpreter or not cap.sm_count:
@@ -225,7 +239,7 @@ def _forward_key(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entrop
                  config: KernelConfig | None, z_out, e_out):
     store = z_out if e_out is None else e_out[0]
     return (hidden2d.device, hidden2d.dtype, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(),
-            labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, env_key(),
+            labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, _LABEL_MMA, env_key(),
             alignment_key(hidden2d, weight, labels1d, bias, store), None if config is None else config_key(config),
             None if store is None else (e_out is None, store.dtype, store.stride(),
                                         None if e_out is None else e_out[1].stride()))
@@ -263,7 +277,9 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     S, tps = forward_plan(N, V, cfg, _sm_count(dev), not (store_z or store_e))
     plan.num_vt = cdiv(V, cfg.block_n)
     need_sumz = opts.label_smoothing > 0
-    plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if pick_label else 1]
+    # The label's logit: picked out of the tiles (one zl row per split), or from a launch of its own (one row).
+    in_tiles = pick_label and not label_by_mma(hidden2d.dtype, plan.interpreted)
+    plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if in_tiles else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
     # Byte offsets of m, s, t, sumz, zl, and of a loss and an LSE row, in one allocation of a direct call (see
     # _forward_direct): each piece starts 128-byte aligned, as the separate tensors the launches were bound with
@@ -281,12 +297,23 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     one = torch.empty((1, N), **f32)  # stands for every [S, N] / [N] buffer: Launch keeps only dtypes
     has_bias, softcap = bias is not None, float(opts.softcap or 1.0)
     b_arg = bias if has_bias else weight
-    plan.label = None if pick_label else Launch(
-        lce_label_logit_kernel, (cdiv(N, _ROW_BLOCK),),
-        hidden2d, weight, b_arg, labels1d, one, N, V, H, hidden2d.stride(0), hidden2d.stride(1),
-        weight.stride(0), weight.stride(1), softcap, opts.inv_temp,
-        BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
-    )
+    label_args = (hidden2d, weight, b_arg, labels1d, one, N, V, H, hidden2d.stride(0), hidden2d.stride(1),
+                  weight.stride(0), weight.stride(1), softcap, opts.inv_temp)
+    if in_tiles:
+        plan.label = None
+    elif pick_label:
+        # The tiles' own products (same K step, same dot precision) without their compare-select-sum.
+        plan.label = Launch(
+            lce_label_mma_kernel, (cdiv(N, _LABEL_MMA_ROWS),), *label_args,
+            BLOCK_N=_LABEL_MMA_ROWS, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
+            H_TMA=d["hidden"], DOT_PRECISION=dot_precision(hidden2d.dtype),
+            num_warps=_LABEL_MMA_WARPS, num_stages=_LABEL_MMA_STAGES,
+        )
+    else:
+        plan.label = Launch(
+            lce_label_logit_kernel, (cdiv(N, _ROW_BLOCK),), *label_args,
+            BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
+        )
     z_arg, mt_arg = _store_args(z_out, e_out) or (one, one)
     plan.forward = Launch(
         lce_forward_kernel, (cdiv(N, cfg.block_m) * S,),
@@ -296,10 +323,10 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
         HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
-        PICK_LABEL=pick_label, STORE_Z=store_z, STORE_E=store_e, E_TMA=d.use.get("exp_logits", False),
+        PICK_LABEL=in_tiles, STORE_Z=store_z, STORE_E=store_e, E_TMA=d.use.get("exp_logits", False),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    plan.combine = _combine_launch(S, N, S if pick_label else 1, labels1d, V, opts, need_entropy, need_sumz, one)
+    plan.combine = _combine_launch(S, N, S if in_tiles else 1, labels1d, V, opts, need_entropy, need_sumz, one)
     return plan
 
 
@@ -328,13 +355,15 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     four NaN for its token (and so its gradients, which read the LSE). Inputs must be validated already.
     Extra memory: 5 fp32 [S, N] statistics, S chosen within 8 MiB.
 
-    ``pick_label`` (for a forward that a backward will follow): the label's logit comes from the same tiles as
-    the log-sum-exp, so p - 1 of a confident prediction keeps its precision in the backward (see
-    ``lce_forward_kernel``; only the vocab tiles that hold a label of their rows pay for it); False takes it
-    from a separate O(N*H) dot product, with log p itself as accurate (~1e-6 absolute).
+    ``pick_label`` (for a forward that a backward will follow): the label's logit is bit for bit the one the
+    log-sum-exp's tiles computed, so p - 1 of a confident prediction keeps its precision in the backward: from
+    ``lce_label_mma_kernel`` (the same tensor-core products for 16-bit inputs on the GPU, one extra launch of
+    O(N * 64 * H) work) or picked out of the tiles that hold a label (the interpreter, fp32 inputs; see
+    :func:`label_by_mma` and ``lce_forward_kernel``); False takes it from a separate O(N*H) fp32 dot product,
+    with log p itself as accurate (~1e-6 absolute).
 
     ``stats_only`` (N >= 1; the vocab-parallel path, :mod:`.distributed`, merges them across ranks): return the
-    per-split statistics ``(m, s, t, sumz, zl)`` instead, each fp32 [S, N] (zl [1, N] without ``pick_label``),
+    per-split statistics ``(m, s, t, sumz, zl)`` instead, each fp32 [S, N] (zl [1, N] unless the tiles pick it),
     as :func:`combine_stats` takes them; t (sumz) is ``m`` itself when entropy (label smoothing) is not asked for.
 
     ``z_out`` (with ``pick_label``; the 3-pass SFT path, :mod:`.sft`): an fp32 [N, >= V] buffer with unit column

@@ -187,7 +187,7 @@ def stored_config(dtype: torch.dtype, S: int, H: int, device) -> KernelConfig:
 def lce_rl_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, opts: LceOptions,
                    stored: int | None = None):
     """``(loss, logprob, entropy, lse, e, mt)``: the per-token fp32 outputs of :func:`.launch.lce_forward` (label
-    logit picked from the tiles, entropy computed) and what the backward keeps: ``e`` [S, padded_cols(V)] in the
+    logit as the tiles computed it, entropy computed) and what the backward keeps: ``e`` [S, padded_cols(V)] in the
     inputs' dtype (columns >= V unused) and ``mt`` fp32 [S, cdiv(V, block_n)] for the first S = ``stored`` tokens
     (default and at most N: all). With S < N (the mixed path) the other tokens' outputs come from a forward of
     their own that stores nothing; their backward recomputes the logits. Inputs must be validated already."""
