@@ -407,6 +407,22 @@ def test_store_z_config():
                                flatten=True)
 
 
+def test_store_e_config(monkeypatch):
+    """The exponentials-storing forward of 16-bit inputs on the GPU, whose label logit comes from the label kernel,
+    widens tiles narrower than 128 x 256 to 128 x 256 x 64 with 8 warps and 3 stages (group and flatten kept);
+    wider tiles, fp32 inputs, the interpreter and the in-tile label pick keep the config as it is."""
+    narrow = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4, flatten=True)
+    wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=True)
+    assert sft.store_e_config(narrow, torch.bfloat16, False) == wide
+    assert sft.store_e_config(narrow.model_copy(update=dict(group_m=4, flatten=False)), torch.bfloat16, False) == \
+        wide.model_copy(update=dict(group_m=4, flatten=False))
+    assert sft.store_e_config(wide, torch.bfloat16, False) == wide
+    assert sft.store_e_config(narrow, torch.float32, False) == narrow
+    assert sft.store_e_config(narrow, torch.bfloat16, True) == narrow
+    monkeypatch.setattr(launch, "_LABEL_MMA", False)
+    assert sft.store_e_config(narrow, torch.bfloat16, False) == narrow
+
+
 PATH_ERRORS = [
     pytest.param(dict(sft_path="2pass"), "sft_path must be one of ('auto', '3pass', 'chunked', '4pass'), got '2pass'",
                  id="unknown"),
