@@ -640,13 +640,16 @@ def test_label_pick_at_tile_edges(plan, mode, by_mma, monkeypatch):
 
 
 def test_label_kernel_where_its_products_are_the_tiles():
-    """lce_label_mma_kernel stands in for the in-tile pick exactly where its tensor-core products equal the
-    forward's tiles bit for bit (16-bit inputs on the GPU; checked bitwise by the GPU tests), never under the
-    interpreter (numpy's dot) or for fp32 inputs (an FMA dot)."""
+    """lce_label_mma_kernel stands in for the in-tile pick where its tensor-core products equal the forward's tiles
+    bit for bit (16-bit inputs on the GPU; checked bitwise by the GPU tests) and the tiles are wide enough (128 x 256)
+    for the pick to spill; never under the interpreter (numpy's dot) or for fp32 inputs (an FMA dot)."""
+    wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3)
+    narrow = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4)
     assert launch._LABEL_MMA is None
-    assert launch.label_by_mma(torch.bfloat16, False) and launch.label_by_mma(torch.float16, False)
-    assert not launch.label_by_mma(torch.float32, False)
-    assert not any(launch.label_by_mma(dt, True) for dt in (torch.bfloat16, torch.float16, torch.float32))
+    assert launch.label_by_mma(torch.bfloat16, False, wide) and launch.label_by_mma(torch.float16, False, wide)
+    assert not launch.label_by_mma(torch.bfloat16, False, narrow)
+    assert not launch.label_by_mma(torch.float32, False, wide)
+    assert not any(launch.label_by_mma(dt, True, wide) for dt in (torch.bfloat16, torch.float16, torch.float32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -532,7 +532,8 @@ def test_label_kernel_equals_the_tiles_bitwise(case, mode, dtype, monkeypatch):
     opts = launch.LceOptions(tma=mode, softcap=opt.get("softcap", 0.0), temperature=opt.get("temperature", 1.0))
     tuned = launch.pick_config("forward", dtype, N, H)
     narrow = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4, flatten=True)
-    assert launch.label_by_mma(dtype, False)
+    assert launch.label_by_mma(dtype, False, KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
+                                                          num_stages=3))
     for cfg in (tuned, narrow):
         zl = {}
         for by_mma in (False, True):

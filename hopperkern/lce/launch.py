@@ -62,6 +62,7 @@ _ROW_BLOCK_K = 128
 # lce_label_mma_kernel's launch: rows (and gathered label rows) per program, warps, pipeline stages.
 _LABEL_MMA_ROWS, _LABEL_MMA_WARPS, _LABEL_MMA_STAGES = 64, 4, 4
 _LABEL_MMA: bool | None = None  # tests: True / False force the label kernel / the in-tile pick (None: label_by_mma)
+_LABEL_MMA_MIN_TILE = 128 * 256  # BLOCK_N x BLOCK_V from which label_by_mma takes the label kernel
 _MIN_SPLIT_COLS = 4096  # vocab columns per forward program at least (a split's start-up and stores amortised)
 _PROGRAM_COST = 0.5  # a forward program's start-up and statistics stores, in vocab tiles' time (forward_plan)
 _FEW_WAVES = 5  # forward_plan weighs the last wave's fill where the cap's plan runs in at most this many waves
@@ -207,14 +208,18 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int, weigh_waves: 
     return min((plan(s) for s in range(cap, (cap - 1) // 2, -1)), key=cost)  # the first (larger S) on a tie
 
 
-def label_by_mma(dtype, interpreted: bool) -> bool:
-    """Whether a forward that a backward follows takes its labels' logits from ``lce_label_mma_kernel`` (16-bit
-    inputs on the GPU: tensor-core products, the same bit for bit as the forward's tiles) rather than picking them
-    out of the tiles (``PICK_LABEL``): the interpreter's dot (numpy) and fp32 inputs' FMA dot promise no such
-    equality, so they keep the pick."""
+def label_by_mma(dtype, interpreted: bool, cfg: KernelConfig) -> bool:
+    """Whether a forward that a backward follows, at tiles ``cfg``, takes its labels' logits from
+    ``lce_label_mma_kernel`` (tensor-core products, the same bit for bit as the forward's tiles) rather than picking
+    them out of the tiles (``PICK_LABEL``): for 16-bit inputs on the GPU at tiles of 128 x 256 or more, where the
+    pick's compare-select-sum spills registers on sm_90 (8-11 % of the forward on the H200). Narrower tiles keep
+    the pick, which costs them little, while the label kernel's serial K loop takes ~60 us whatever N (at 256
+    tokens a differentiable forward took 1.11 x as long with it); the interpreter's dot (numpy) and fp32 inputs'
+    FMA dot promise no bitwise equality, so they keep the pick."""
     if _LABEL_MMA is not None:
         return _LABEL_MMA
-    return not interpreted and dtype in (torch.float16, torch.bfloat16)
+    return (not interpreted and dtype in (torch.float16, torch.bfloat16)
+            and cfg.block_m * cfg.block_n >= _LABEL_MMA_MIN_TILE)
 
 
 def _sm_count(device) -> int:
@@ -278,7 +283,7 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     plan.num_vt = cdiv(V, cfg.block_n)
     need_sumz = opts.label_smoothing > 0
     # The label's logit: picked out of the tiles (one zl row per split), or from a launch of its own (one row).
-    in_tiles = pick_label and not label_by_mma(hidden2d.dtype, plan.interpreted)
+    in_tiles = pick_label and not label_by_mma(hidden2d.dtype, plan.interpreted, cfg)
     plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if in_tiles else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
     # Byte offsets of m, s, t, sumz, zl, and of a loss and an LSE row, in one allocation of a direct call (see
@@ -357,10 +362,10 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 
     ``pick_label`` (for a forward that a backward will follow): the label's logit is bit for bit the one the
     log-sum-exp's tiles computed, so p - 1 of a confident prediction keeps its precision in the backward: from
-    ``lce_label_mma_kernel`` (the same tensor-core products for 16-bit inputs on the GPU, one extra launch of
-    O(N * 64 * H) work) or picked out of the tiles that hold a label (the interpreter, fp32 inputs; see
-    :func:`label_by_mma` and ``lce_forward_kernel``); False takes it from a separate O(N*H) fp32 dot product,
-    with log p itself as accurate (~1e-6 absolute).
+    ``lce_label_mma_kernel`` (the same tensor-core products for 16-bit inputs on the GPU at tiles of 128 x 256 or
+    more: one extra launch, O(N * 64 * H) work) or picked out of the tiles that hold a label (narrower tiles, the
+    interpreter, fp32 inputs; see :func:`label_by_mma` and ``lce_forward_kernel``); False takes it from a separate
+    O(N*H) fp32 dot product, with log p itself as accurate (~1e-6 absolute).
 
     ``stats_only`` (N >= 1; the vocab-parallel path, :mod:`.distributed`, merges them across ranks): return the
     per-split statistics ``(m, s, t, sumz, zl)`` instead, each fp32 [S, N] (zl [1, N] unless the tiles pick it),
