@@ -44,8 +44,9 @@ def main() -> int:
                 # STORE_Z (the 3-pass SFT forward: fp32 logits out, no entropy) runs with sft.store_z_config of
                 # the tuned config: compiled once, for the tiles it keeps.
                 cfg = KernelConfig(block_m=bn, block_n=bv, block_k=bk, num_warps=w, num_stages=st)
-                # STORE_E (the 3-pass forwards without softcap: bf16 exponentials out) runs at the tuned tiles,
-                # without the entropy (SFT, "e") and with it (log-probs and entropies, "et").
+                # STORE_E (the 3-pass forwards without softcap: bf16 exponentials out), without the entropy (SFT,
+                # "e", at 128 x 256: sft.store_e_config) and with it (log-probs and entropies, "et"). The stores
+                # pick the label in their tiles below 128 x 256 (launch.label_by_mma); "-" is the no-grad forward.
                 keeps = store_z_config(cfg) == cfg or (bn, bv, bk, w, st) == (128, 128, 64, 8, 4)
                 for store in ("", "z", "e", "et") if keeps else ("", "e", "et"):
                     comp(f"lce_forward  {tag} store={store or '-'}", K.lce_forward_kernel,
@@ -56,7 +57,8 @@ def main() -> int:
                               stride_zn=V, stride_mt=1024, softcap=1.0, inv_temp=1.0),
                          dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
                               NEED_T=store in ("", "et"), NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
-                              DOT_PRECISION="tf32", PICK_LABEL=False, STORE_Z=store == "z",
+                              DOT_PRECISION="tf32", PICK_LABEL=bool(store) and bn * bv < L._LABEL_MMA_MIN_TILE,
+                              STORE_Z=store == "z",
                               STORE_E=store[:1] == "e", E_TMA=tma and store[:1] == "e"),
                          w, st)
                 comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,

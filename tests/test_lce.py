@@ -639,17 +639,30 @@ def test_label_pick_at_tile_edges(plan, mode, by_mma, monkeypatch):
     assert_close(lse, torch.logsumexp(z, -1), FP32_RTOL, "lse")
 
 
-def test_label_kernel_where_its_products_are_the_tiles():
+def _hopper(monkeypatch, hopper_mma: bool):
+    """Make ``tma.capability`` report a device whose tensor-core products hopper_mma says (any device asked)."""
+    fake = dataclasses.replace(tma.capability(), hopper_mma=hopper_mma)
+    monkeypatch.setattr(tma, "capability", lambda device=None: fake)
+
+
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "other device"])
+def test_label_kernel_where_its_products_are_the_tiles(hopper, monkeypatch):
     """lce_label_mma_kernel stands in for the in-tile pick where its tensor-core products equal the forward's tiles
-    bit for bit (16-bit inputs on the GPU; checked bitwise by the GPU tests) and the tiles are wide enough (128 x 256)
-    for the pick to spill; never under the interpreter (numpy's dot) or for fp32 inputs (an FMA dot)."""
+    bit for bit (16-bit inputs on a Hopper GPU: Capability.hopper_mma; checked bitwise by the GPU tests) and the
+    tiles are wide enough (128 x 256) for the pick to spill; never for fp32 inputs (an FMA dot) or on any other
+    device (the interpreter's numpy dot among them)."""
+    _hopper(monkeypatch, hopper)
     wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3)
     narrow = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4)
     assert launch._LABEL_MMA is None
-    assert launch.label_by_mma(torch.bfloat16, False, wide) and launch.label_by_mma(torch.float16, False, wide)
-    assert not launch.label_by_mma(torch.bfloat16, False, narrow)
-    assert not launch.label_by_mma(torch.float32, False, wide)
-    assert not any(launch.label_by_mma(dt, True, wide) for dt in (torch.bfloat16, torch.float16, torch.float32))
+    assert launch.label_by_mma(torch.bfloat16, DEVICE, wide) is hopper
+    assert launch.label_by_mma(torch.float16, DEVICE, wide) is hopper
+    assert not launch.label_by_mma(torch.bfloat16, DEVICE, narrow)
+    assert not launch.label_by_mma(torch.float32, DEVICE, wide)
+    monkeypatch.undo()  # this machine's own device
+    here = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and torch.version.hip is None
+    assert tma.capability(DEVICE).hopper_mma is here
+    assert launch.label_by_mma(torch.bfloat16, DEVICE, wide) is here
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -664,6 +677,7 @@ def test_label_kernel_shard_local_labels(mode, dtype, monkeypatch):
     labels = inp.labels.clone()
     labels[3::4] = -7  # held by another shard
     labels[5::9] = -100
+    labels[6], labels[10] = V, V + 3  # outside the shard above it (unchecked labels reach the kernels so)
     opts = launch.LceOptions(tma=mode, ignore_index=-100, softcap=3.0, temperature=0.7)
     cfg = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
     zl = {}
@@ -672,6 +686,13 @@ def test_label_kernel_shard_local_labels(mode, dtype, monkeypatch):
         stats = launch.lce_forward(inp.hidden, inp.weight, labels, inp.bias, opts, config=cfg, pick_label=True,
                                    stats_only=True)
         zl[by_mma] = stats[-1].sum(0)
+    if mode == "never":
+        # Strided operands (pointer loads only): hidden and weight as transposed views of column-major copies.
+        h_t = inp.hidden.t().contiguous().t()
+        w_t = inp.weight.t().contiguous().t()
+        assert h_t.stride(1) != 1 and w_t.stride(1) != 1
+        stats = launch.lce_forward(h_t, w_t, labels, inp.bias, opts, config=cfg, pick_label=True, stats_only=True)
+        assert_close(stats[-1].sum(0), zl[True], 1e-5, "label kernel on strided operands")
     z = ref.reference_logits(inp.hidden.double(), inp.weight.double(), inp.bias.double(), 3.0, 0.7)
     inside = (labels >= 0) & (labels < V)
     want = torch.where(inside, z.gather(1, labels.clamp(0, V - 1)[:, None])[:, 0], 0.0)

@@ -518,7 +518,7 @@ def test_label_kernel_equals_the_tiles_bitwise(case, mode, dtype, monkeypatch):
     """On the GPU a forward that a backward follows takes its labels' logits from lce_label_mma_kernel instead of
     picking them out of the forward's tiles: that is only right if the two agree bit for bit (log p = z_label - lse
     of a confident prediction needs the tiles' own rounding). Per-split statistics of a stats-only forward, both
-    ways, at the tuned tiles and the 128 x 128 ones of the storing forwards: every label's logit equal, bitwise,
+    ways, at 128 x 256 tiles (the label kernel's by default) and 128 x 128: every label's logit equal, bitwise,
     with labels of other shards (negative) and ignored ones giving 0, at a ragged N, with bias, softcap and
     temperature."""
     from hopperkern.lce import launch
@@ -530,11 +530,11 @@ def test_label_kernel_equals_the_tiles_bitwise(case, mode, dtype, monkeypatch):
     labels[3::17] = -5
     labels[5::23] = -100
     opts = launch.LceOptions(tma=mode, softcap=opt.get("softcap", 0.0), temperature=opt.get("temperature", 1.0))
-    tuned = launch.pick_config("forward", dtype, N, H)
+    # The wide tiles at which the label kernel runs by default, and the narrow ones of the storing forwards.
+    wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=True)
     narrow = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4, flatten=True)
-    assert launch.label_by_mma(dtype, False, KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
-                                                          num_stages=3))
-    for cfg in (tuned, narrow):
+    assert launch.label_by_mma(dtype, inp.hidden.device, wide)
+    for cfg in (wide, narrow):
         zl = {}
         for by_mma in (False, True):
             monkeypatch.setattr(launch, "_LABEL_MMA", by_mma)

@@ -2,12 +2,14 @@
 the 4-pass path: numerics on both memory paths, the path choice, autograd uses (gradient accumulation,
 checkpointing, torch.compile) and its custom ops. Shapes and helpers are test_lce.py's (interpreter-sized)."""
 
+import dataclasses
 import re
 
 import pytest
 import torch
 import torch.utils.checkpoint
 
+from conftest import DEVICE
 from test_lce import _no_tma_env  # noqa: F401  (autouse: a HOPPERKERN_TMA in the environment would override modes)
 from test_lce import (
     _BF16_OK,
@@ -408,19 +410,25 @@ def test_store_z_config():
 
 
 def test_store_e_config(monkeypatch):
-    """The exponentials-storing forward of 16-bit inputs on the GPU, whose label logit comes from the label kernel,
-    widens tiles narrower than 128 x 256 to 128 x 256 x 64 with 8 warps and 3 stages (group and flatten kept);
-    wider tiles, fp32 inputs, the interpreter and the in-tile label pick keep the config as it is."""
+    """The exponentials-storing forward widens tiles narrower than 128 x 256 to 128 x 256 x 64 with 8 warps and 3
+    stages (group and flatten kept) where the label's logit of such tiles comes from the label kernel (16-bit
+    inputs on a Hopper GPU); wider tiles, fp32 inputs, other devices and the in-tile pick forced keep the config."""
     narrow = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4, flatten=True)
     wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=True)
-    assert sft.store_e_config(narrow, torch.bfloat16, False) == wide
-    assert sft.store_e_config(narrow.model_copy(update=dict(group_m=4, flatten=False)), torch.bfloat16, False) == \
+    assert sft.store_e_config(narrow, torch.bfloat16, DEVICE) == (wide if tma.capability(DEVICE).hopper_mma
+                                                                  else narrow)
+    fake = dataclasses.replace(tma.capability(), hopper_mma=True)
+    monkeypatch.setattr(tma, "capability", lambda device=None: fake)
+    assert sft.store_e_config(narrow, torch.bfloat16, DEVICE) == wide
+    assert sft.store_e_config(narrow.model_copy(update=dict(group_m=4, flatten=False)), torch.bfloat16, DEVICE) == \
         wide.model_copy(update=dict(group_m=4, flatten=False))
-    assert sft.store_e_config(wide, torch.bfloat16, False) == wide
-    assert sft.store_e_config(narrow, torch.float32, False) == narrow
-    assert sft.store_e_config(narrow, torch.bfloat16, True) == narrow
+    assert sft.store_e_config(wide, torch.bfloat16, DEVICE) == wide
+    assert sft.store_e_config(narrow, torch.float32, DEVICE) == narrow
     monkeypatch.setattr(launch, "_LABEL_MMA", False)
-    assert sft.store_e_config(narrow, torch.bfloat16, False) == narrow
+    assert sft.store_e_config(narrow, torch.bfloat16, DEVICE) == narrow
+    monkeypatch.setattr(tma, "capability", lambda device=None: dataclasses.replace(fake, hopper_mma=False))
+    monkeypatch.setattr(launch, "_LABEL_MMA", None)
+    assert sft.store_e_config(narrow, torch.bfloat16, DEVICE) == narrow
 
 
 PATH_ERRORS = [

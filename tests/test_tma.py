@@ -97,6 +97,25 @@ def test_capability_never_raises_when_cuda_query_fails(monkeypatch, fresh_capabi
     assert "could not query CUDA: no libcuda" in cap.reasons
 
 
+@pytest.mark.parametrize("major, cuda, hip, want", [(9, "12.8", None, True), (8, "12.8", None, False),
+                                                     (10, "12.8", None, False), (9, None, "6.2", False)],
+                         ids=["hopper", "ampere", "blackwell", "rocm"])
+def test_capability_hopper_mma(monkeypatch, fresh_capability, major, cuda, hip, want):
+    """hopper_mma (the tensor-core products the LCE label kernel relies on to match the forward's tiles bitwise):
+    an sm_90 GPU with a CUDA build of torch, compiled kernels; no other architecture, no ROCm build."""
+    _fake_gpu(monkeypatch, props=SimpleNamespace(name="GPU", major=major, minor=0, multi_processor_count=100))
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    assert tma.capability().hopper_mma is want
+
+
+def test_capability_hopper_mma_never_interpreted(monkeypatch, fresh_capability):
+    _fake_gpu(monkeypatch, props=SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132),
+              interpreter=True)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert tma.capability().hopper_mma is False
+
+
 def test_capability_pre_hopper_gpu(monkeypatch, fresh_capability):
     _fake_gpu(monkeypatch, props=SimpleNamespace(name="NVIDIA A100", major=8, minor=0, multi_processor_count=108))
     cap = tma.capability()

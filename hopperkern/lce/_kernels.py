@@ -75,16 +75,16 @@ def lce_forward_kernel(
     BLOCK_V tiles, keeping m/s/t/sumz in registers across its tiles. Programs are ordered GROUP_N row blocks
     per split sweep (see ``hopperkern.tma.jit.grouped_tile``).
 
-    PICK_LABEL (when a backward will follow, where lce_label_mma_kernel cannot stand in: the interpreter, fp32
-    inputs): the label's logit is picked from the same tiles that feed the log-sum-exp (a compare-select-sum per
-    tile): log p = z_label - lse is then the difference of two numbers with the same rounding of the logits, and
-    for a confident prediction p - 1 (the whole gradient at the label) keeps its precision. A label logit from a
-    separate fp32 dot product (lce_label_logit_kernel, the no-grad path) differs from the tile's by the fp32
-    summation error (~1e-6): harmless in log p itself, but a relative error of ~1e-6 / (1 - p) in p - 1, 1 % at
-    p = 0.9999, more than one bf16 rounding. lce_label_mma_kernel gives the tile's own value for 16-bit inputs
-    on the GPU without touching the tiles: there the pick (in the tiles that hold a label of their rows) took
-    the forward from 173-191 registers per thread without spills to 255 with 332-636 bytes of spills at
-    128 x 256 tiles on sm_90, and 8-11 % of its time on the H200.
+    PICK_LABEL (when a backward will follow, where lce_label_mma_kernel does not stand in: tiles narrower than
+    128 x 256, the interpreter, fp32 inputs, GPUs other than Hopper): the label's logit is picked from the same
+    tiles that feed the log-sum-exp (a compare-select-sum per tile): log p = z_label - lse is then the difference
+    of two numbers with the same rounding of the logits, and for a confident prediction p - 1 (the whole gradient
+    at the label) keeps its precision. A label logit from a separate fp32 dot product (lce_label_logit_kernel, the
+    no-grad path) differs from the tile's by the fp32 summation error (~1e-6): harmless in log p itself, but a
+    relative error of ~1e-6 / (1 - p) in p - 1, 1 % at p = 0.9999, more than one bf16 rounding.
+    lce_label_mma_kernel gives the tile's own value without touching the tiles: at 128 x 256 tiles on sm_90 the
+    pick (in the tiles that hold a label of their rows) takes the forward from 173-191 registers per thread
+    without spills to 255 with 332-636 bytes of spills, and 8-11 % of its time on the H200.
 
     STORE_Z (the 3-pass SFT path with softcap, :mod:`hopperkern.lce.sft`): every tile's final fp32 logits are
     also written to ``z`` (columns >= V clipped), from which lce_sft_dlogits_kernel forms d(logits) once the LSE
@@ -223,9 +223,10 @@ def lce_label_mma_kernel(
     size in the same K order with fp32 accumulation, then :func:`_final_logits`; row r keeps its diagonal entry.
     A tensor-core product of one entry depends on that entry's row and column alone, not on the tile around it,
     so the result equals the forward's own logit (the GPU tests check this bitwise), and log p = z_label - lse
-    keeps the precision of a confident prediction's p - 1. It replaces the in-tile pick (PICK_LABEL), whose
-    compare-select-sum over every tile raised the forward's register use over sm_90's 255 per thread. The work
-    is O(N * BLOCK_N * H), 1 / (V / BLOCK_N) of the forward's."""
+    keeps the precision of a confident prediction's p - 1. It stands in for the in-tile pick (PICK_LABEL) at wide
+    tiles, where the pick's compare-select-sum raises the forward's register use over sm_90's 255 per thread
+    (see hopperkern.lce.launch.label_by_mma). The work is O(N * BLOCK_N * H), 1 / (V / BLOCK_N) of the forward's;
+    the loop over H is serial (splitting it would change the order of the sums)."""
     row0 = tl.program_id(0) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -248,7 +249,7 @@ def lce_label_mma_kernel(
 @triton.jit
 def lce_combine_kernel(
     m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 partial statistics
-    zl_ptr,  # [S_ZL, N] fp32 label logit: per split (0 where the split lacks it), or one row from the row dot
+    zl_ptr,  # [S_ZL, N] fp32 label logit: per split (0 where the split lacks it), or one row from a label kernel
     labels_ptr,  # [N] int
     loss_ptr, logprob_ptr, entropy_ptr, lse_ptr,  # [N] fp32 outputs
     N, V, S, S_ZL, ignore_index, label_smoothing, z_loss,

@@ -208,18 +208,19 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int, weigh_waves: 
     return min((plan(s) for s in range(cap, (cap - 1) // 2, -1)), key=cost)  # the first (larger S) on a tie
 
 
-def label_by_mma(dtype, interpreted: bool, cfg: KernelConfig) -> bool:
-    """Whether a forward that a backward follows, at tiles ``cfg``, takes its labels' logits from
+def label_by_mma(dtype, device, cfg: KernelConfig) -> bool:
+    """Whether a forward that a backward follows, at tiles ``cfg`` on ``device``, takes its labels' logits from
     ``lce_label_mma_kernel`` (tensor-core products, the same bit for bit as the forward's tiles) rather than picking
-    them out of the tiles (``PICK_LABEL``): for 16-bit inputs on the GPU at tiles of 128 x 256 or more, where the
-    pick's compare-select-sum spills registers on sm_90 (8-11 % of the forward on the H200). Narrower tiles keep
-    the pick, which costs them little, while the label kernel's serial K loop takes ~60 us whatever N (at 256
-    tokens a differentiable forward took 1.11 x as long with it); the interpreter's dot (numpy) and fp32 inputs'
-    FMA dot promise no bitwise equality, so they keep the pick."""
+    them out of the tiles (``PICK_LABEL``): for 16-bit inputs on a Hopper GPU
+    (:attr:`hopperkern.tma.Capability.hopper_mma`, where that equality holds) at tiles of 128 x 256 or more, where
+    the pick's compare-select-sum spills registers (8-11 % of the forward on the H200). Narrower tiles keep the
+    pick, which costs them little, while the label kernel's serial K loop takes ~60 us whatever N (at 256 tokens a
+    differentiable forward took 1.11 x as long with it); the interpreter's dot (numpy), fp32 inputs' FMA dot and
+    other GPUs promise no bitwise equality, so they keep the pick."""
     if _LABEL_MMA is not None:
         return _LABEL_MMA
-    return (not interpreted and dtype in (torch.float16, torch.bfloat16)
-            and cfg.block_m * cfg.block_n >= _LABEL_MMA_MIN_TILE)
+    return (dtype in (torch.float16, torch.bfloat16) and cfg.block_m * cfg.block_n >= _LABEL_MMA_MIN_TILE
+            and _tma.capability(device).hopper_mma)
 
 
 def _sm_count(device) -> int:
@@ -256,8 +257,8 @@ def config_key(cfg: KernelConfig) -> tuple:
 
 
 def _stats(plan: _ForwardPlan, N: int, dev):
-    """The forward's per-split statistics (m, s, t, sumz, zl), [S, N] fp32 each (zl [1, N] without the label
-    pick): views of one allocation."""
+    """The forward's per-split statistics (m, s, t, sumz, zl), [S, N] fp32 each (zl [1, N] where the tiles do not
+    pick the label): views of one allocation."""
     rows = torch.empty((sum(plan.stat_rows), N), dtype=torch.float32, device=dev).split(plan.stat_rows)
     m, s = rows[0], rows[1]
     t = rows[2] if plan.need_t else m
@@ -283,7 +284,7 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     plan.num_vt = cdiv(V, cfg.block_n)
     need_sumz = opts.label_smoothing > 0
     # The label's logit: picked out of the tiles (one zl row per split), or from a launch of its own (one row).
-    in_tiles = pick_label and not label_by_mma(hidden2d.dtype, plan.interpreted, cfg)
+    in_tiles = pick_label and not label_by_mma(hidden2d.dtype, dev, cfg)
     plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if in_tiles else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
     # Byte offsets of m, s, t, sumz, zl, and of a loss and an LSE row, in one allocation of a direct call (see
@@ -362,9 +363,9 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 
     ``pick_label`` (for a forward that a backward will follow): the label's logit is bit for bit the one the
     log-sum-exp's tiles computed, so p - 1 of a confident prediction keeps its precision in the backward: from
-    ``lce_label_mma_kernel`` (the same tensor-core products for 16-bit inputs on the GPU at tiles of 128 x 256 or
-    more: one extra launch, O(N * 64 * H) work) or picked out of the tiles that hold a label (narrower tiles, the
-    interpreter, fp32 inputs; see :func:`label_by_mma` and ``lce_forward_kernel``); False takes it from a separate
+    ``lce_label_mma_kernel`` (the same tensor-core products for 16-bit inputs on a Hopper GPU at tiles of 128 x 256
+    or more: one extra launch, O(N * 64 * H) work) or picked out of the tiles that hold a label (elsewhere; see
+    :func:`label_by_mma` and ``lce_forward_kernel``); False takes it from a separate
     O(N*H) fp32 dot product, with log p itself as accurate (~1e-6 absolute).
 
     ``stats_only`` (N >= 1; the vocab-parallel path, :mod:`.distributed`, merges them across ranks): return the

@@ -70,8 +70,7 @@ from ..tma.launcher import Launch, LaunchCache, state_key, tensors_key
 from ..tuning import KernelConfig
 from ._kernels import (lce_dweight_kernel, lce_loss_scale_kernel, lce_loss_total_kernel, lce_sft_dlogits_kernel,
                        lce_sft_fixup_kernel, lce_split_finalize_kernel)
-from . import launch as _launch
-from .launch import LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32, lce_forward, pick_config
+from .launch import LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32, label_by_mma, lce_forward, pick_config
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
            "balanced_chunk", "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
@@ -247,22 +246,21 @@ def store_z_config(cfg: KernelConfig) -> KernelConfig:
     return narrow_tiles(cfg, _STORE_Z_TILE)
 
 
-def store_e_config(cfg: KernelConfig, dtype: torch.dtype, interpreted: bool) -> KernelConfig:
-    """The forward's launch config when it stores the exponentials (STORE_E) of 16-bit inputs on the GPU: tiles
-    narrower than 128 x 256 are widened to 128 x 256 x 64 with 8 warps and 3 stages (group and flatten kept), at
-    which the label's logit comes from its own kernel (:func:`.launch.label_by_mma`) and the forward spills no
-    registers (191 per thread on sm_90: ``benchmarks/compile_lce_sm90.py``). The tuned tiles serve the no-grad
-    forward, whose entropy sums do spill at that width. Measured on the H200 (whole SFT steps, tuned 128 x 128
-    forward tiles with the in-tile pick against these, 4 alternating rounds): 0.967, 0.973 and 0.982 x the time
-    for the chunked variant at 8192 x 2304 x 256000, 16384 x 3584 x 152064 and 32768 x 4096 x 128256, 0.96 to 0.98
-    and 0.93 to 0.96 for the 3-pass path at 1937 x 3584 x 152064 and 2169 x 896 x 151936, 0.975 to 1.023 at
-    4096 x 4096 x 128256. Elsewhere (fp32 inputs, the interpreter, the in-tile pick forced) ``cfg`` as it is."""
-    if interpreted or dtype not in (torch.float16, torch.bfloat16) or _launch._LABEL_MMA is False:
-        return cfg
-    if cfg.block_m * cfg.block_n >= _STORE_E_TILE[0] * _STORE_E_TILE[1]:
-        return cfg
+def store_e_config(cfg: KernelConfig, dtype: torch.dtype, device) -> KernelConfig:
+    """The forward's launch config when it stores the exponentials (STORE_E) on ``device``: where the label's
+    logit of 128 x 256 tiles comes from its own kernel (:func:`.launch.label_by_mma`: 16-bit inputs on a Hopper
+    GPU), tiles narrower than that are widened to 128 x 256 x 64 with 8 warps and 3 stages (group and flatten
+    kept), at which the forward spills no registers (191 per thread on sm_90: ``benchmarks/compile_lce_sm90.py``).
+    The tuned tiles serve the no-grad forward, whose entropy sums do spill at that width. Measured on the H200
+    (whole SFT steps, tuned 128 x 128 forward tiles with the in-tile pick against these, 4 alternating rounds):
+    0.967, 0.973 and 0.982 x the time for the chunked variant at 8192 x 2304 x 256000, 16384 x 3584 x 152064 and
+    32768 x 4096 x 128256, 0.96 to 0.98 and 0.93 to 0.96 for the 3-pass path at 1937 x 3584 x 152064 and
+    2169 x 896 x 151936, 0.975 to 1.023 at 4096 x 4096 x 128256. Elsewhere ``cfg`` as it is."""
     bm, bn, bk, warps, stages = _STORE_E_TILE
-    return cfg.model_copy(update=dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
+    if cfg.block_m * cfg.block_n >= bm * bn:
+        return cfg
+    wide = cfg.model_copy(update=dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
+    return wide if label_by_mma(dtype, device, wide) else cfg
 
 
 # store_e_config's tiles: BLOCK_N, BLOCK_V, BLOCK_K, warps, stages.
@@ -414,7 +412,7 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     N, H = hidden2d.shape
     V = weight.shape[0]
     cfg = config or store_e_config(pick_config("forward", hidden2d.dtype, N, H, hidden2d.device), hidden2d.dtype,
-                                   _tma.interpreter_active())
+                                   hidden2d.device)
     if mt is None:
         mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=hidden2d.device)
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
@@ -643,7 +641,7 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
         cfg = config or store_z_config(pick_config("forward", dt, C, H, dev))
         scratch = torch.empty((C, ld), dtype=f32, device=dev)
     else:
-        cfg = config or store_e_config(pick_config("forward", dt, C, H, dev), dt, _tma.interpreter_active())
+        cfg = config or store_e_config(pick_config("forward", dt, C, H, dev), dt, dev)
         scratch = torch.empty((C, cdiv(V, cfg.block_n)), dtype=f32, device=dev)
     # fp32 rows of d_hidden where cuBLAS returns 16-bit inputs' products in fp32: one rounding into d_h.
     acc_h = torch.empty((C, H), dtype=f32, device=dev) if need_hidden_grad and dt != f32 else None

@@ -75,6 +75,10 @@ class Capability:
     # build of torch from CUDA 12.3, a Triton with the launch_pdl option and griddepcontrol
     # (tl.extra.cuda.gdc_wait).
     pdl: bool = False
+    # Tensor-core products through sm_90's wgmma (an NVIDIA Hopper GPU, CUDA build of torch, compiled kernels): an
+    # entry of a product depends on its own row and column and the K order only, not on the tile's width, which
+    # hopperkern.lce's label-logit kernel relies on to match the forward's tiles bit for bit (checked on the H200).
+    hopper_mma: bool = False
 
     @property
     def config_name(self) -> str | None:
@@ -497,6 +501,7 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
         tma = bool(descriptors and cuda and cc is not None and cc >= (9, 0))
     pdl = bool(not interpreter and cuda and cc is not None and cc >= (9, 0) and tv is not None and _has_pdl()
                and _cuda_at_least((12, 3)))
+    hopper_mma = bool(not interpreter and cuda and cc is not None and cc[0] == 9 and _cuda_at_least((12, 0)))
     if tma:
         reasons = []
     return Capability(
@@ -510,6 +515,7 @@ def _capability(index: int | None, interpreter: bool) -> Capability:
         tma=tma,
         reasons=tuple(reasons),
         pdl=pdl,
+        hopper_mma=hopper_mma,
     )
 
 
