@@ -143,6 +143,7 @@ def _capability() -> dict:
         "reasons": list(cap.reasons),
         "pdl": cap.pdl,
         "pdl_enabled": _pdl_enabled(),
+        "hopper_mma": cap.hopper_mma,
     }
 
 
@@ -338,6 +339,9 @@ def render(data: dict, console=None) -> None:
             text = ("no" if not cap["pdl"] else "yes, on (HOPPERKERN_PDL=0 turns it off)" if on is True
                     else "yes, off (HOPPERKERN_PDL)" if on is False else f"yes; {on}")
             env.add_row("programmatic dependent launch", _text(text))
+        if "hopper_mma" in cap:
+            env.add_row("LCE label logits", "own tensor-core kernel at tiles of 128 x 256 or more (Hopper)"
+                        if cap["hopper_mma"] else "picked in the forward's tiles")
     else:
         env.add_row("capability", _text(cap))
     interp = data.get("interpreter")

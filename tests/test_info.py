@@ -68,6 +68,7 @@ def test_collect_is_plain_json():
         else:
             assert env[key] == "could not collect: RuntimeError: no CUDA GPU is available"
     assert data["capability"]["interpreter"] == tma.capability().interpreter
+    assert data["capability"]["hopper_mma"] is tma.capability().hopper_mma
     assert [f["family"] for f in data["families"]] == FAMILIES
 
 
