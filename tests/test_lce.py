@@ -651,6 +651,7 @@ def test_label_kernel_where_its_products_are_the_tiles(hopper, monkeypatch):
     bit for bit (16-bit inputs on a Hopper GPU: Capability.hopper_mma; checked bitwise by the GPU tests) and the
     tiles are wide enough (128 x 256) for the pick to spill; never for fp32 inputs (an FMA dot) or on any other
     device (the interpreter's numpy dot among them)."""
+    real = tma.capability
     _hopper(monkeypatch, hopper)
     wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3)
     narrow = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=4)
@@ -659,7 +660,7 @@ def test_label_kernel_where_its_products_are_the_tiles(hopper, monkeypatch):
     assert launch.label_by_mma(torch.float16, DEVICE, wide) is hopper
     assert not launch.label_by_mma(torch.bfloat16, DEVICE, narrow)
     assert not launch.label_by_mma(torch.float32, DEVICE, wide)
-    monkeypatch.undo()  # this machine's own device
+    monkeypatch.setattr(tma, "capability", real)  # this machine's own device
     here = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and torch.version.hip is None
     assert tma.capability(DEVICE).hopper_mma is here
     assert launch.label_by_mma(torch.bfloat16, DEVICE, wide) is here
