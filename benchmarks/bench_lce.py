@@ -320,13 +320,13 @@ def main(argv=None):
     print(json.dumps({**meta, **ceil}))
     shapes = QUICK if args.quick else SHAPES
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = meta["device"].replace(" ", "_")
     for i, (N, H, V) in enumerate(track(shapes, description="LCE shapes")):
         provs = _providers(compile_ok=i < args.compile_shapes)
         rows += [dict(meta, **r) for r in run_case(N, H, V, provs, args.reps, not args.no_errors, ceil)]
         torch._dynamo.reset()
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = meta["device"].replace(" ", "_")
-    write_csv(args.out / f"lce_{tag}.csv", rows)
+        write_csv(args.out / f"lce_{tag}.csv", rows)  # after every shape: a run cut short keeps what it timed
     plot(rows, args.out / f"lce_{tag}.png")
     table(rows)
     return 0

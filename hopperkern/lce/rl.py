@@ -264,7 +264,8 @@ def _exp_dlogits_launch(tensors, N: int, V: int, flags: tuple, opts: LceOptions)
     launch = Launch(lce_exp_dlogits_kernel, (cdiv(N, bn), cdiv(V, bv)), *tensors, N, V, e.stride(0), dl.stride(0),
                     mt.stride(0), opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), opts.inv_temp,
                     BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv,
-                    **dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), flags)), D_TMA=d["dlogits"])
+                    **dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), flags)), D_TMA=d["dlogits"],
+                    num_warps=_sft.DLOGITS_WARPS)
     return launch, d
 
 
