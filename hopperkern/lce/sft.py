@@ -281,13 +281,13 @@ def _row_blocks() -> tuple[int, int]:
     return (16, 32) if _tma.interpreter_active() else (32, 256)
 
 
-# The in-place fix-up's tiles. Measured on the H200 (bf16, one run): 32 x 128 tiles with pointer loads stream
-# 2.5-3.1 TB/s of its 4 bytes per logit, TMA loads and stores 2.6-2.9, 32 x 256 tiles about 1.9.
+# The in-place fix-up's tiles. Measured on the H200 (bf16, one run, 4 warps): 32 x 128 tiles with pointer loads
+# stream 2.5-3.1 TB/s of its 4 bytes per logit, TMA loads and stores 2.6-2.9, 32 x 256 tiles about 1.9.
 _FIXUP_BLOCKS, _FIXUP_BLOCKS_INTERPRETED = (32, 128), (16, 32)
 # Warps of the passes that turn kept exponentials into d(logits) (this fix-up and the RL path's
-# lce_exp_dlogits_kernel). H200, bf16, pointer loads, same run, time / a bf16 copy of the same tensor: the fix-up
-# 1.17 / 1.16 x with 8 warps against 1.36 / 1.34 x with 4 (8192 x 128256, 2169 x 151936); the RL pass (log-probs
-# and entropies) 2.46 / 2.50 x against 2.88 / 2.85 x. More warps keep more loads in flight per SM.
+# lce_exp_dlogits_kernel). H200, bf16, 32 x 128 tiles, pointer loads, same run, time / a bf16 copy of the same
+# tensor: the fix-up 1.17 / 1.16 x with 8 warps against 1.36 / 1.34 x with 4 (8192 x 128256, 2169 x 151936, about
+# 3.5 TB/s of its 4 bytes per logit); the RL pass (log-probs and entropies) 2.46 / 2.50 x against 2.88 / 2.85 x.
 DLOGITS_WARPS = 8
 _FIXUP_POINTER = "tma='auto': pointer loads are faster for the in-place d(logits) pass (measured on the H200)"
 
