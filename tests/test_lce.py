@@ -230,11 +230,12 @@ def torch_lowp_logprobs_entropy(h, w, lab, *, temperature=1.0, ignore_index=-100
 
 
 def expected_use(mode, *, hidden=True, weight=True):
-    """TmaDecision.use of the LCE launches: all pointers for "never"; otherwise TMA for every eligible operand."""
+    """TmaDecision.use of the LCE launches: all pointers for "never"; otherwise TMA for every eligible operand,
+    except the 3-pass d(logits) passes, whose "auto" takes pointer loads (measured faster)."""
     on = mode != "never"
     return {FWD: {"hidden": on and hidden, "weight": on and weight},
             BWD: {"hidden": on and hidden, "weight": on and weight, "dlogits": on},
-            SFT: {"logits": on, "dlogits": on}, RL: {"dlogits": mode == "always"}}
+            SFT: {"logits": mode == "always", "dlogits": mode == "always"}, RL: {"dlogits": mode == "always"}}
 
 
 @contextlib.contextmanager

@@ -278,14 +278,23 @@ def narrow_tiles(cfg: KernelConfig, min_tile: int) -> KernelConfig:
 
 def _row_blocks() -> tuple[int, int]:
     # The d(logits) kernel is memory-bound: wide tiles for the GPU, small ones for the interpreter (cost per tile).
-    return (16, 32) if _tma.interpreter_active() else (32, 256)
+    return (16, 32) if _tma.interpreter_active() else _DLOGITS_BLOCKS
+
+
+# lce_sft_dlogits_kernel (fp32 logits in, d(logits) out) on the GPU: 16 x 256 tiles, DLOGITS_WARPS warps, pointer
+# loads and stores. H200, same run, time / a copy of the fp32 logits into a bf16 tensor (the same bytes):
+# 1.13 / 1.14 / 1.12 x at 2169 x 151936, 2048 x 256000 (softcap) and 4096 x 128256, where 32 x 256 tiles with
+# 4 warps and TMA took 2.21 / 1.62 / 2.19 x (the fastest TMA variant of each shape 1.40 to 1.54 x).
+_DLOGITS_BLOCKS = (16, 256)
+_DLOGITS_POINTER = "tma='auto': pointer loads and stores are faster for the d(logits) pass over fp32 logits (measured " \
+    "on the H200)"
 
 
 # The in-place fix-up's tiles. Measured on the H200 (bf16, one run, 4 warps): 32 x 128 tiles with pointer loads
 # stream 2.5-3.1 TB/s of its 4 bytes per logit, TMA loads and stores 2.6-2.9, 32 x 256 tiles about 1.9.
 _FIXUP_BLOCKS, _FIXUP_BLOCKS_INTERPRETED = (32, 128), (16, 32)
-# Warps of the passes that turn kept exponentials into d(logits) (this fix-up and the RL path's
-# lce_exp_dlogits_kernel). H200, bf16, 32 x 128 tiles, pointer loads, same run, time / a bf16 copy of the same
+# Warps of the passes that form d(logits) from what a 3-pass forward kept (this fix-up, the RL path's
+# lce_exp_dlogits_kernel and lce_sft_dlogits_kernel over fp32 logits). H200, bf16, 32 x 128 tiles, pointer loads, same run, time / a bf16 copy of the same
 # tensor: the fix-up 1.17 / 1.16 x with 8 warps against 1.36 / 1.34 x with 4 (8192 x 128256, 2169 x 151936, about
 # 3.5 TB/s of its 4 bytes per logit); the RL pass (log-probs and entropies) 2.46 / 2.50 x against 2.88 / 2.85 x.
 DLOGITS_WARPS = 8
@@ -403,10 +412,12 @@ def _dlogits_launch(tensors, rows: int, V: int, opts: LceOptions):
     """:func:`cached_launch`'s build of ``lce_sft_dlogits_kernel`` over ``rows`` tokens of fp32 logits."""
     z, out = tensors[0], tensors[-1]
     bn, bv = _row_blocks()
-    d = _tma.decide(opts.tma, {"logits": (z, (bn, bv)), "dlogits": (out, (bn, bv))}, op=_SFT_OP, record=False)
+    d = _tma.decide(opts.tma, {"logits": (z, (bn, bv)), "dlogits": (out, (bn, bv))}, op=_SFT_OP, record=False,
+                    auto_pointer=_DLOGITS_POINTER)
     launch = Launch(lce_sft_dlogits_kernel, (cdiv(rows, bn), cdiv(V, bv)), *tensors, rows, V, z.stride(0),
                     out.stride(0), *_sft_scalars(opts), float(opts.softcap or 1.0), opts.inv_temp,
-                    BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=bool(opts.softcap), Z_TMA=d["logits"], D_TMA=d["dlogits"])
+                    BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=bool(opts.softcap), Z_TMA=d["logits"], D_TMA=d["dlogits"],
+                    num_warps=DLOGITS_WARPS)
     return launch, d
 
 
