@@ -326,7 +326,10 @@ def main(argv=None):
         provs = _providers(compile_ok=i < args.compile_shapes)
         rows += [dict(meta, **r) for r in run_case(N, H, V, provs, args.reps, not args.no_errors, ceil)]
         torch._dynamo.reset()
-        write_csv(args.out / f"lce_{tag}.csv", rows)  # after every shape: a run cut short keeps what it timed
+        # After every shape, beside the result: a run cut short keeps what it timed and leaves the CSV as it was.
+        write_csv(args.out / f"lce_{tag}.partial.csv", rows)
+    write_csv(args.out / f"lce_{tag}.csv", rows)
+    (args.out / f"lce_{tag}.partial.csv").unlink(missing_ok=True)
     plot(rows, args.out / f"lce_{tag}.png")
     table(rows)
     return 0

@@ -87,28 +87,31 @@ def main() -> int:
                   gz_ptr="fp32", logprob_ptr="fp32", d_ptr="bf16", N=N, V_total=V, col_begin=0, ncols=8192,
                   stride_dn=8192, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=30.0, inv_temp=1.0),
              dict(BLOCK_N=128, SOFTCAP=softcap, HAS_GL=True, HAS_GP=True, HAS_GE=True, HAS_GZ=True), 4, 1)
+    warps = sft.DLOGITS_WARPS  # the shipped warps of the three d(logits) passes below
     for tma in (False, True):
         for softcap in (False, True):
-            comp(f"lce_sft_dlogits 32x256 tma={int(tma)} softcap={int(softcap)}", K.lce_sft_dlogits_kernel,
+            bn, bv = sft._DLOGITS_BLOCKS  # the shipped tiles
+            comp(f"lce_sft_dlogits {bn}x{bv} w{warps} tma={int(tma)} softcap={int(softcap)}",
+                 K.lce_sft_dlogits_kernel,
                  dict(z_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32", scale_ptr="fp32",
                       d_ptr="bf16", N=512, V=V, stride_zn=V, stride_dn=V, ignore_index=-100, label_smoothing=0.0,
                       z_loss=0.0, softcap=30.0, inv_temp=1.0),
-                 dict(BLOCK_N=32, BLOCK_V=256, SOFTCAP=softcap, Z_TMA=tma, D_TMA=tma), 4, 1)
+                 dict(BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=softcap, Z_TMA=tma, D_TMA=tma), warps, 1)
     for tma in (False, True):
         bn, bv = sft._FIXUP_BLOCKS  # the shipped tiles
-        comp(f"lce_sft_fixup {bn}x{bv} tma={int(tma)}", K.lce_sft_fixup_kernel,
+        comp(f"lce_sft_fixup {bn}x{bv} w{warps} tma={int(tma)}", K.lce_sft_fixup_kernel,
              dict(d_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32",
                   scale_ptr="fp32", N=512, V=V, stride_dn=V, stride_mt=1024, ignore_index=-100,
                   label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
-             dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, D_TMA=tma), 4, 1)
+             dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, D_TMA=tma), warps, 1)
     for tma in (False, True):
         bn, bv = rl._BLOCKS  # the shipped tiles
-        comp(f"lce_exp_dlogits {bn}x{bv} tma={int(tma)}", K.lce_exp_dlogits_kernel,
+        comp(f"lce_exp_dlogits {bn}x{bv} w{warps} tma={int(tma)}", K.lce_exp_dlogits_kernel,
              dict(d_ptr="bf16", out_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32",
                   gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", logprob_ptr="fp32", N=512, V=V,
                   stride_dn=V, stride_on=V, stride_mt=1024, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
              dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False,
-                  D_TMA=tma), 4, 1)
+                  D_TMA=tma), warps, 1)
     # lce_dweight_kernel in its shipped launch shapes (sft.DW_TILES*: the 3-pass path; sft.DW_SPLIT_TILES*: the
     # chunked variant's split launches, SPLIT 1 storing a chunk's product and 2 adding it to the sum) and the
     # one-program-a-tile, whole-epilogue shapes beside them (the split epilogue's spills at 128 x 256).

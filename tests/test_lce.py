@@ -23,6 +23,7 @@ from conftest import DEVICE
 from hopperkern import lce, tma
 from hopperkern.lce import launch
 from hopperkern.lce import reference as ref
+from hopperkern.lce import sft as lce_sft
 from hopperkern.lce.ops import lce_backward_op, lce_forward_op
 from hopperkern.tuning import KernelConfig
 
@@ -263,6 +264,10 @@ def expect_path(mode, *, backward=True, hidden=True, weight=True, sft=None, rl=F
     for op in launched:
         d = tma.last_decision(op)
         assert (d.mode, dict(d.use)) == (mode, want[op]), d
+        if mode == "auto" and op in (SFT, RL):
+            # "auto" takes pointer loads there and says why: the pass over fp32 logits or over exponentials.
+            why = lce_sft._DLOGITS_POINTER if "logits" in d.use else lce_sft._FIXUP_POINTER
+            assert all(r == (why,) for r in d.reasons.values()), d
 
 
 def check_grads(grads, want, rtol, dtype=torch.float32):

@@ -85,7 +85,9 @@ EXTRA_BUDGET = 512 * 2**20  # bytes beyond an fp32 [V, H]: the 3-pass path's mem
 # measured and keep the 4-pass path.
 MIN_TOKENS_3PASS = 1536
 # The same where the forward keeps fp32 logits (softcap, fp16): its token chunks took 1.17x and 1.43x the 4-pass
-# path's time at those two ~2k-token shapes, 0.83-0.90x from 8192 tokens (H200, bf16, one run).
+# path's time at those two ~2k-token shapes, 0.83-0.90x from 8192 tokens (H200, bf16, one run), with the d(logits)
+# pass at 32 x 256 tiles, 4 warps and TMA; the shipped pass (_DLOGITS_BLOCKS) took a forced 3-pass step at
+# 2169 x 896 x 151936 (fp16) to 0.90x, still above the 4-pass path's time by those figures.
 MIN_TOKENS_FP32_LOGITS = 4096
 # "auto" takes the chunked variant when its chunks hold at least this many tokens. Measured on the H200 (bf16, sum
 # loss, one run, time / 3G): 2048-token chunks 1.15-1.20 where the 4-pass path took 1.41-1.47 (32768 x 4096 x
@@ -278,25 +280,27 @@ def narrow_tiles(cfg: KernelConfig, min_tile: int) -> KernelConfig:
 
 def _row_blocks() -> tuple[int, int]:
     # The d(logits) kernel is memory-bound: wide tiles for the GPU, small ones for the interpreter (cost per tile).
-    return (16, 32) if _tma.interpreter_active() else _DLOGITS_BLOCKS
+    return _DLOGITS_BLOCKS_INTERPRETED if _tma.interpreter_active() else _DLOGITS_BLOCKS
 
 
 # lce_sft_dlogits_kernel (fp32 logits in, d(logits) out) on the GPU: 16 x 256 tiles, DLOGITS_WARPS warps, pointer
 # loads and stores. H200, same run, time / a copy of the fp32 logits into a bf16 tensor (the same bytes):
 # 1.13 / 1.14 / 1.12 x at 2169 x 151936, 2048 x 256000 (softcap) and 4096 x 128256, where 32 x 256 tiles with
 # 4 warps and TMA took 2.21 / 1.62 / 2.19 x (the fastest TMA variant of each shape 1.40 to 1.54 x).
-_DLOGITS_BLOCKS = (16, 256)
-_DLOGITS_POINTER = "tma='auto': pointer loads and stores are faster for the d(logits) pass over fp32 logits (measured " \
-    "on the H200)"
+_DLOGITS_BLOCKS, _DLOGITS_BLOCKS_INTERPRETED = (16, 256), (16, 32)
+_DLOGITS_POINTER = ("tma='auto': pointer loads and stores are faster for the d(logits) pass over fp32 logits "
+                    "(measured on the H200)")
 
 
 # The in-place fix-up's tiles. Measured on the H200 (bf16, one run, 4 warps): 32 x 128 tiles with pointer loads
 # stream 2.5-3.1 TB/s of its 4 bytes per logit, TMA loads and stores 2.6-2.9, 32 x 256 tiles about 1.9.
 _FIXUP_BLOCKS, _FIXUP_BLOCKS_INTERPRETED = (32, 128), (16, 32)
 # Warps of the passes that form d(logits) from what a 3-pass forward kept (this fix-up, the RL path's
-# lce_exp_dlogits_kernel and lce_sft_dlogits_kernel over fp32 logits). H200, bf16, 32 x 128 tiles, pointer loads, same run, time / a bf16 copy of the same
-# tensor: the fix-up 1.17 / 1.16 x with 8 warps against 1.36 / 1.34 x with 4 (8192 x 128256, 2169 x 151936, about
-# 3.5 TB/s of its 4 bytes per logit); the RL pass (log-probs and entropies) 2.46 / 2.50 x against 2.88 / 2.85 x.
+# lce_exp_dlogits_kernel and lce_sft_dlogits_kernel over fp32 logits). H200, bf16, 32 x 128 tiles, pointer loads,
+# same run, time / a bf16 copy of the same tensor: the fix-up 1.17 / 1.16 x with 8 warps against 1.36 / 1.34 x with
+# 4 (8192 x 128256, 2169 x 151936, about 3.5 TB/s of its 4 bytes per logit); the RL pass (log-probs and entropies)
+# 2.46 / 2.50 x against 2.88 / 2.85 x. lce_sft_dlogits_kernel: with its tiles (above), 8 warps against 4 took
+# 0.87 / 0.87 x at 2169 x 151936 and 4096 x 128256 (pointer loads, same run).
 DLOGITS_WARPS = 8
 _FIXUP_POINTER = "tma='auto': pointer loads are faster for the in-place d(logits) pass (measured on the H200)"
 
