@@ -44,8 +44,9 @@ def main() -> int:
                 # STORE_Z (the 3-pass SFT forward: fp32 logits out, no entropy) runs with sft.store_z_config of
                 # the tuned config: compiled once, for the tiles it keeps.
                 cfg = KernelConfig(block_m=bn, block_n=bv, block_k=bk, num_warps=w, num_stages=st)
-                # STORE_E (the 3-pass forwards without softcap: bf16 exponentials out), without the entropy (SFT,
-                # "e", at 128 x 256: sft.store_e_config) and with it (log-probs and entropies, "et"). The stores
+                # STORE_E (the 3-pass forwards without softcap: bf16 exponentials out), without the entropy and
+                # with one reference logit per row (SFT, "e", E_REF, at 128 x 256: sft.store_e_config) and with the
+                # entropy and per-tile maxima (log-probs and entropies, "et"). The stores
                 # pick the label in their tiles below 128 x 256 (launch.label_by_mma); "-" is the no-grad forward.
                 keeps = store_z_config(cfg) == cfg or (bn, bv, bk, w, st) == (128, 128, 64, 8, 4)
                 for store in ("", "z", "e", "et") if keeps else ("", "e", "et"):
@@ -59,7 +60,8 @@ def main() -> int:
                               NEED_T=store in ("", "et"), NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
                               DOT_PRECISION="tf32", PICK_LABEL=bool(store) and bn * bv < L._LABEL_MMA_MIN_TILE,
                               STORE_Z=store == "z",
-                              STORE_E=store[:1] == "e", E_TMA=tma and store[:1] == "e"),
+                              STORE_E=store[:1] == "e", E_TMA=tma and store[:1] == "e", E_REF=store == "e",
+                              E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP),
                          w, st)
                 comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,
                      dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32",
@@ -97,13 +99,22 @@ def main() -> int:
                       d_ptr="bf16", N=512, V=V, stride_zn=V, stride_dn=V, ignore_index=-100, label_smoothing=0.0,
                       z_loss=0.0, softcap=30.0, inv_temp=1.0),
                  dict(BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=softcap, Z_TMA=tma, D_TMA=tma), warps, 1)
-    for tma in (False, True):
-        bn, bv = sft._FIXUP_BLOCKS  # the shipped tiles
-        comp(f"lce_sft_fixup {bn}x{bv} w{warps} tma={int(tma)}", K.lce_sft_fixup_kernel,
-             dict(d_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32",
-                  scale_ptr="fp32", N=512, V=V, stride_dn=V, stride_mt=1024, ignore_index=-100,
-                  label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
-             dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, D_TMA=tma), warps, 1)
+    # The 3-pass SFT path's launches beside its forward over exponentials (sft._forward_exp, sft._row_scaled).
+    comp(f"lce_sft_rowscale {sft._ROWSCALE_BLOCK}", K.lce_sft_rowscale_kernel,
+         dict(e_ptr="bf16", rho_ptr="fp32", ref_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32",
+              scale_ptr="fp32", N=N, V=V, stride_en=V, ignore_index=-100, z_loss=0.0, inv_temp=1.0),
+         dict(BLOCK=sft._ROWSCALE_BLOCK, E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP), 4, 1)
+    bn, bv = sft._ROWS_TILES
+    comp(f"lce_sft_rows {bn}x{bv}x64", K.lce_sft_rows_kernel,
+         dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", d_ptr="bf16", ref_ptr="fp32", labels_ptr="i64",
+              lse_ptr="fp32", logprob_ptr="fp32", scale_ptr="fp32", N=N, V=V, H=H, stride_hn=H, stride_hk=1,
+              stride_wv=H, stride_wk=1, stride_dn=V, ignore_index=-100, z_loss=0.0, inv_temp=1.0),
+         dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=64, HAS_BIAS=False, DOT_PRECISION="tf32", E_OFFSET=L.E_OFFSET,
+              E_CLAMP=L.E_CLAMP), 4, 1)
+    bn, bh = sft._SCALE_TILES
+    comp(f"lce_row_scale {bn}x{bh}", K.lce_row_scale_kernel,
+         dict(x_ptr="bf16", rho_ptr="fp32", out_ptr="bf16", N=N, H=H, stride_xn=H, stride_xk=1, stride_on=H),
+         dict(BLOCK_N=bn, BLOCK_H=bh), 4, 1)
     for tma in (False, True):
         bn, bv = rl._BLOCKS  # the shipped tiles
         comp(f"lce_exp_dlogits {bn}x{bv} w{warps} tma={int(tma)}", K.lce_exp_dlogits_kernel,

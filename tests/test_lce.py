@@ -23,6 +23,7 @@ from conftest import DEVICE
 from hopperkern import lce, tma
 from hopperkern.lce import launch
 from hopperkern.lce import reference as ref
+from hopperkern.lce import rl as lce_rl
 from hopperkern.lce import sft as lce_sft
 from hopperkern.lce.ops import lce_backward_op, lce_forward_op
 from hopperkern.tuning import KernelConfig
@@ -250,23 +251,28 @@ def expect_path(mode, *, backward=True, hidden=True, weight=True, sft=None, rl=F
     want = expected_use(mode, hidden=hidden, weight=weight)
     launched = {op for op in before if tma.decision_count(op) > before[op]}
     assert FWD in launched, f"{FWD} was not launched"
-    if backward:
+    stored_exp = "exp_logits" in tma.last_decision(FWD).use
+    if backward and stored_exp and not rl:
+        # The 3-pass SFT forward over exponentials has no d(logits) pass of its own: row factors stand in for it.
+        assert sft is not False, "a 3-pass SFT forward where the 4-pass path was asked for"
+        assert not (launched - {FWD}), f"{sorted(launched - {FWD})} launched too"
+    elif backward:
         wanted = {RL} if rl else {None: {BWD, SFT}, True: {SFT}, False: {BWD}}[sft]
         assert launched & wanted, f"none of {sorted(wanted)} was launched (launched: {sorted(launched)})"
         assert not (launched - wanted - {FWD}), f"{sorted(launched - wanted - {FWD})} launched too"
-    if "exp_logits" in tma.last_decision(FWD).use:
-        # A 3-pass forward without softcap stores its exponentials (a third operand), and its d(logits) kernel
-        # reads and writes that one buffer in place (TMA only under "always").
-        dl_op = RL if rl else SFT
-        assert dl_op in launched, f"a forward stored its exponentials without {dl_op}"
+    if stored_exp:
+        # A 3-pass forward without softcap stores its exponentials (a third operand); the log-prob path's
+        # d(logits) kernel reads and writes that one buffer in place (TMA only under "always").
         want[FWD] = dict(want[FWD], exp_logits=mode != "never")
-        want[dl_op] = {"dlogits": mode == "always"}  # "auto": pointer loads, measured faster for this pass
+        if rl:
+            assert RL in launched, f"a forward stored its exponentials without {RL}"
+            want[RL] = {"dlogits": mode == "always"}  # "auto": pointer loads, measured faster for this pass
     for op in launched:
         d = tma.last_decision(op)
         assert (d.mode, dict(d.use)) == (mode, want[op]), d
         if mode == "auto" and op in (SFT, RL):
             # "auto" takes pointer loads there and says why: the pass over fp32 logits or over exponentials.
-            why = lce_sft._DLOGITS_POINTER if "logits" in d.use else lce_sft._FIXUP_POINTER
+            why = lce_sft._DLOGITS_POINTER if "logits" in d.use else lce_rl._EXP_POINTER
             assert all(r == (why,) for r in d.reasons.values()), d
 
 

@@ -328,6 +328,32 @@ def test_bf16_sft_paths_confident(shape):
                         baseline_max=CONFIDENT_BASELINE_MAX, out_atol=CONFIDENT_LOSS_ATOL)
 
 
+def test_bf16_sft_3pass_far_labels():
+    """Rows whose label's log-prob lies below -80 (hidden rows scaled so that their logits have a std of ~120)
+    among ordinary ones, bf16 at a real size: the 3-pass path forms those rows' d(logits) from recomputed logits
+    (lce_sft_rows_kernel), and its loss, d_hidden and d_weight stay as close to fp64 as the 4-pass path's."""
+    from hopperkern.lce import launch
+
+    inp = _inputs(SFT_SHAPES[0].values[0])
+    far = slice(1, None, 7)
+    inp.hidden[far] = (inp.hidden[far].float() * 60).to(torch.bfloat16)
+    z = inp.hidden[far].float() @ inp.weight.float().t()
+    lab = inp.labels[far]
+    logp = torch.log_softmax(z, -1).gather(1, lab.clamp(min=0)[:, None])[:, 0]
+    assert ((logp < -(launch.E_OFFSET + launch.E_CLAMP)) & (lab != -100)).sum() >= 10, "rows to flag"
+    del z
+    ups = [upstream((), device=DEV)]
+    (want,), want_grads = run(call(ref.linear_cross_entropy, reduction="sum"), inp, ups, dtype=torch.float64)
+    errs = {}
+    for path in ("3pass", "4pass"):
+        with expect_path("auto", sft=path == "3pass"):
+            (loss,), grads = run(call(lce.linear_cross_entropy, reduction="sum", tma="auto", sft_path=path), inp,
+                                 ups)
+        errs[path] = [rel_err(loss, want)] + [rel_err(g, w) for g, w in zip(grads[:2], want_grads[:2])]
+    for name, a, b in zip(("loss",) + tuple(GRADS), errs["3pass"], errs["4pass"]):
+        assert a <= 1.5 * b + 1e-6, f"{name}: 3pass {a:.2e} vs 4pass {b:.2e}"
+
+
 def test_sft_3pass_memory_within_its_budget():
     """The 3-pass forward + backward at 8192 x 4096 x 128256 (the rule's choice there) stays within its documented
     extra memory, N x V x 2 + scratch <= V x H x 4 + 512 MiB (plus the bf16 grads), and "auto" picks it."""

@@ -336,14 +336,17 @@ def test_auto_path_follows_the_memory_rule(monkeypatch):
     (2048, 4096, 128256, torch.float32, True),
 ])
 def test_memory_rule_on_real_shapes(N, H, V, dtype, three):
-    """The rule on real shapes: the token and hidden-size thresholds, then sft.extra_bytes against
+    """The rule on real shapes: the token and hidden-size thresholds, then rl.extra_bytes against
     sft.budget_bytes."""
     elem = torch.finfo(dtype).bits // 8
     assert rl.use_3pass("auto", N, V, H, dtype) is three
     assert three is (N >= sft.MIN_TOKENS_3PASS and H >= rl.MIN_HIDDEN_3PASS
                      and rl.extra_bytes(N, V, H, elem) <= sft.budget_bytes(V, H))
-    # the per-tile maxima stay beside the backward's fp32 d_hidden: counted once more than on the SFT path
-    assert rl.extra_bytes(N, V, H, elem) == sft.extra_bytes(N, V, H, elem) + N * -(-V // 64) * 4
+    # the kept exponentials, the larger of the per-tile maxima and the backward's fp32 scratch, and the maxima
+    # once more (they stay beside the backward's fp32 d_hidden)
+    tiles = N * -(-V // 64) * 4
+    backward = N * H * 4 + (sft._slice_rows(V, H) * H * 4 if elem == 4 else 0)
+    assert rl.extra_bytes(N, V, H, elem) == N * sft.padded_cols(V) * elem + max(tiles, backward) + tiles
     assert rl.use_3pass("3pass", N, V, H, dtype) and not rl.use_3pass("4pass", N, V, H, dtype)
 
 

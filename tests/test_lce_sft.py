@@ -344,23 +344,27 @@ def test_memory_rule_with_fp32_logits(N, H, V, three):
     pytest.param(torch.bfloat16, None, 0.0, True, marks=pytest.mark.skipif(not _BF16_OK, reason="interpreter bf16")),
 ])
 def test_3pass_forward_variant(dtype, softcap, smoothing, stores_exp):
-    """Which 3-pass forward runs: the stored exponentials (a third TMA operand of the forward, and a d(logits)
-    kernel over that one buffer) for bf16 and fp32 without softcap or label smoothing; fp32 logit chunks with
-    softcap, label smoothing or fp16."""
+    """Which 3-pass forward runs: the stored exponentials (a third TMA operand of the forward, d(logits) as row
+    factors of that one buffer: no d(logits) pass) for bf16 and fp32 without softcap or label smoothing; fp32 logit
+    chunks and a d(logits) pass over them with softcap, label smoothing or fp16."""
     inp = make_inputs(SMALL, dtype=dtype)
     h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
+    before = tma.decision_count(SFT)
     with expect_path("always", sft=True):
         lce.linear_cross_entropy(h, w, inp.labels, tma="always", softcap=softcap, label_smoothing=smoothing,
                                  **THREE).backward()
     assert ("exp_logits" in tma.last_decision(FWD).use) is stores_exp
-    assert set(tma.last_decision(SFT).use) == ({"dlogits"} if stores_exp else {"logits", "dlogits"})
+    if stores_exp:
+        assert tma.decision_count(SFT) == before
+    else:
+        assert set(tma.last_decision(SFT).use) == {"logits", "dlogits"}
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_3pass_exponentials_with_vocab_splits(mode, monkeypatch):
     """The stored exponentials under a forced config (block_n=16: 7 vocab tiles) and 3 vocab splits (3, 3, 1
-    tiles): every split restarts its running max, each tile's max lands at mt[n, tile], and the fix-up gives the
-    reference's loss and grads (fp32, z-loss, temperature and bias)."""
+    tiles): every split restarts its running max, each tile's exponentials are rescaled to the row's reference
+    logit, and the row factors give the reference's loss and grads (fp32, z-loss, temperature and bias)."""
     cfg = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
     asked = []
     monkeypatch.setattr(sft, "pick_config", lambda *args: cfg)
@@ -369,6 +373,59 @@ def test_3pass_exponentials_with_vocab_splits(mode, monkeypatch):
     check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE), case.fn(ref.linear_cross_entropy),
                case.inputs(), case.ups(), path=dict(sft=True))
     assert asked, "the forward must take its splits from forward_plan"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_3pass_far_labels(mode, reduction):
+    """Tokens whose label's log-prob lies below -(E_OFFSET + E_CLAMP) = -80 (logits of std ~120 on some rows): the
+    forward clamps their stored exponentials, the row factors cannot serve them, and lce_sft_rows_kernel forms their
+    d(logits) rows from recomputed logits; ignored rows with such logits keep finite (clamped) exponentials and add
+    nothing. fp32 with z-loss, temperature, bias and ignored tokens: loss and grads match fp64 and the 4-pass path."""
+    case = dataclasses.replace(NO_SOFTCAP, reduction=reduction)
+    inp = case.inputs()
+    far = torch.zeros(inp.hidden.shape[0], dtype=torch.bool, device=inp.hidden.device)
+    far[1::3] = True
+    inp.hidden[far] *= 60.0
+    z = ref.reference_logits(inp.hidden, inp.weight, inp.bias, None, case.options["temperature"])
+    logp = torch.log_softmax(z, -1).gather(1, inp.labels.clamp(min=0)[:, None])[:, 0]
+    flagged = inp.kept & (logp < -(launch.E_OFFSET + launch.E_CLAMP + 1))
+    assert flagged.sum() >= 3 and (inp.kept & ~flagged).sum() >= 3, "the batch must mix flagged and plain rows"
+    assert (~inp.kept & far).any(), "an ignored row with far logits"
+    ups = case.ups()
+    (loss,), grads = check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE),
+                                case.fn(ref.linear_cross_entropy), inp, ups, path=dict(sft=True))
+    with expect_path(mode, sft=False):
+        (loss4,), grads4 = run(case.fn(lce.linear_cross_entropy, tma=mode, **FOUR), inp, ups)
+    assert_close(loss, loss4, SAME_ORDER_RTOL, "loss")
+    check_grads(grads, grads4, SAME_ORDER_RTOL)
+
+
+def test_3pass_row_factors():
+    """lce_sft_forward's (dlogits, rho) pair on the stored exponentials' path: rho[:, None] * dlogits is d(logits) of
+    the fp64 reference (fp32 inputs: to ~1e-6 of its largest entry), rho is 0 on ignored rows and 1 on flagged ones,
+    and every stored entry is finite."""
+    case = NO_SOFTCAP
+    inp = case.inputs()
+    inp.hidden[2] *= 60.0  # a far label (flagged) on a kept row, given the seed
+    inp.hidden[-1] *= 60.0  # the last row is ignored
+    opts = launch.LceOptions(tma="never", z_loss=case.options["z_loss"], temperature=case.options["temperature"])
+    loss, dl, rho = sft.lce_sft_forward(inp.hidden, inp.weight, inp.labels, inp.bias, opts, mean=False)
+    V = inp.weight.shape[0]
+    assert rho.shape == (inp.hidden.shape[0],) and torch.isfinite(dl[:, :V]).all()
+    h = inp.hidden.double().requires_grad_()
+    z = (h @ inp.weight.double().t() + inp.bias.double()) * (1 / case.options["temperature"])
+    z.retain_grad()
+    lse = torch.logsumexp(z, -1)
+    kept = inp.kept
+    per = lse - z.gather(1, inp.labels.clamp(min=0)[:, None])[:, 0] + case.options["z_loss"] * lse * lse
+    (per * kept).sum().backward()
+    want = z.grad / case.options["temperature"]  # d loss / d (h w^T + b)
+    got = rho.double()[:, None] * dl[:, :V].double()
+    assert_close(got, want, 1e-5, "d(logits)")
+    assert (rho[~kept] == 0).all()
+    assert rho[2] == 1.0 and kept[2], "row 2 must be flagged"
+    assert (rho[kept & (torch.arange(len(rho), device=rho.device) != 2)] != 1.0).all()
 
 
 def test_store_arguments_are_checked():
@@ -395,7 +452,13 @@ def test_store_arguments_are_checked():
         with pytest.raises(err, match=re.escape(match)):
             launch.lce_forward(*args, config=cfg, need_entropy=False, **kwargs)
         assert tma.decision_count(FWD) == before, kwargs
-    launch.lce_forward(*args, config=cfg, need_entropy=False, e_out=(e, mt))  # the good one runs
+    ref_logits = torch.zeros(N)
+    for kwargs, err, match in [(dict(e_out=(e, ref_logits[:N - 1])), ValueError, "ref must be [>= N"),
+                               (dict(e_out=(e, torch.zeros(2 * N)[::2])), ValueError, "unit stride")]:
+        with pytest.raises(err, match=re.escape(match)):
+            launch.lce_forward(*args, config=cfg, need_entropy=False, **kwargs)
+    launch.lce_forward(*args, config=cfg, need_entropy=False, e_out=(e, mt))  # the good ones run
+    launch.lce_forward(*args, config=cfg, need_entropy=False, e_out=(e, ref_logits))
 
 
 def test_store_z_config():
@@ -476,20 +539,22 @@ def test_3pass_torch_compile_fullgraph():
     check_grads(grads, want_grads, 1e-6)
 
 
-def test_sft_custom_ops_opcheck():
+@pytest.mark.parametrize("smoothing", [0.1, 0.0], ids=["fp32-logits", "exponentials"])
+def test_sft_custom_ops_opcheck(smoothing):
     """torch.library.opcheck: schema, autograd registration and fake kernels of both 3-pass ops agree with the
-    real ones; the backward op also with a transposed hidden (strides of the fake d_hidden)."""
+    real ones (both forwards: fp32 logits, with no row factors, and the stored exponentials, with them); the
+    backward op also with a transposed hidden (strides of the fake d_hidden)."""
     inp = make_inputs((5, 20, 16), bias=True)
-    opts = dict(ignore_index=-100, label_smoothing=0.1, z_loss=0.0, softcap=0.0, temperature=1.0, tma="never",
+    opts = dict(ignore_index=-100, label_smoothing=smoothing, z_loss=0.0, softcap=0.0, temperature=1.0, tma="never",
                 check=True, mean=True)
     fwd = _op_args("lce_sft_forward", hidden=inp.hidden.clone().requires_grad_(),
                    weight=inp.weight.clone().requires_grad_(), labels=inp.labels, bias=inp.bias, **opts)
     torch.library.opcheck(lce_sft_forward_op, fwd, test_utils=("test_schema", "test_autograd_registration",
                                                                "test_faketensor"))
-    _, dl = lce_sft_forward_op(*fwd)
+    _, dl, rho = lce_sft_forward_op(*fwd)
     for hidden in (inp.hidden, inp.hidden.t().contiguous().t()):
         bwd = _op_args("lce_sft_backward", hidden=hidden, weight=inp.weight, bias=inp.bias, dlogits=dl.detach(),
-                       g=upstream(()), need_hidden_grad=True, need_weight_grad=True, tma="never")
+                       rho=rho, g=upstream(()), need_hidden_grad=True, need_weight_grad=True, tma="never")
         torch.library.opcheck(lce_sft_backward_op, bwd, test_utils=("test_schema", "test_faketensor"))
 
 

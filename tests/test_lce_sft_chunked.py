@@ -185,7 +185,8 @@ def test_auto_takes_chunked_where_the_kept_dlogits_do_not_fit(monkeypatch):
     lce.linear_cross_entropy(h, w.detach(), inp.labels, tma="never").backward()
     assert len(ran) == 1  # frozen weight
     # fp32 inputs: the d_weight sum is the fp32 gradient itself, so chunks get all of V H 4 + EXTRA_BUDGET.
-    per_token = (sft.padded_cols(SMALL[1]) + sft._max_tiles(SMALL[1]) + SMALL[2]) * 4
+    # A token's d(logits) row, reference logit and row factor, scaled hidden row and fp32 d_hidden row.
+    per_token = sft.padded_cols(SMALL[1]) * 4 + 8 + 2 * SMALL[2] * 4
     vh4 = SMALL[1] * SMALL[2] * 4
     monkeypatch.setattr(sft, "MIN_CHUNK_TOKENS", 8)
     monkeypatch.setattr(sft, "EXTRA_BUDGET", 10 * per_token - vh4)  # the kept d(logits) of 19 tokens do not fit
@@ -209,7 +210,7 @@ def test_pick_path_on_real_shapes(N, H, V, path):
     assert sft.pick_path("auto", N, V, H, 2, need_weight_grad=False) == ("4pass" if N < 1536 else "chunked")
     C = sft.chunk_tokens(V, H, 2)
     assert C % 128 == 0
-    per_token = sft.padded_cols(V) * 2 + sft._max_tiles(V) * 4 + H * 4
+    per_token = sft.padded_cols(V) * 2 + 8 + H * 2 + H * 4
     assert V * H * 2 + C * per_token <= sft.budget_bytes(V, H) or C == 128  # the sum's lower halves + a chunk
     assert sft.chunk_tokens(V, H, 2, need_weight_grad=False) > C
     for forced in ("3pass", "chunked", "4pass"):

@@ -59,7 +59,8 @@ def lce_forward_kernel(
     m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 per-split running max, sum exp(z-m), sum exp(z-m)*z, sum z
     zl_ptr,  # [S, N] fp32 the label's logit where this split holds the label, else 0
     z_ptr,  # [N, ld_z] out: fp32 final logits (STORE_Z), or exp(z - running max) in the inputs' dtype (STORE_E)
-    mt_ptr,  # [N, ld_mt] fp32 out (STORE_E): the running max of row n after vocab tile vt, at [n, vt]
+    mt_ptr,  # [N, ld_mt] fp32 out (STORE_E): the running max of row n after vocab tile vt, at [n, vt];
+    #          with E_REF, [N] fp32 in: each row's reference logit r (c = r + E_OFFSET, see below)
     N, V, H, S, tiles_per_split,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_zn, stride_mt,
     softcap, inv_temp,
@@ -67,7 +68,8 @@ def lce_forward_kernel(
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
     FLATTEN: tl.constexpr, H_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PICK_LABEL: tl.constexpr, STORE_Z: tl.constexpr = False, STORE_E: tl.constexpr = False,
-    E_TMA: tl.constexpr = False,
+    E_TMA: tl.constexpr = False, E_REF: tl.constexpr = False, E_OFFSET: tl.constexpr = 0.0,
+    E_CLAMP: tl.constexpr = 0.0,
 ):
     """Per-split online log-sum-exp statistics.
 
@@ -94,9 +96,16 @@ def lce_forward_kernel(
     :mod:`hopperkern.lce.rl`): every tile's e = exp(z - m), the exponentials the running sum takes anyway, with m
     the row's running max after this tile, is written to ``z`` in its dtype (the inputs': bf16 keeps 8 bits of e
     in [1e-38, 1], a relative error of 2^-9 at every size), and m to ``mt[n, vt]``. Then p = e exp(m - lse) once
-    the LSE is known (lce_sft_fixup_kernel or lce_exp_dlogits_kernel, in place): 2 bytes per logit each way, and
+    the LSE is known (lce_exp_dlogits_kernel, in place): 2 bytes per logit each way, and
     the tile of 16-bit values is staged through shared memory at the forward's own tiling (an fp32 tile at
     128 x 256 would not fit beside the operand pipeline).
+
+    STORE_E with E_REF (the 3-pass SFT path without softcap): e = exp(z - c) with one reference c = r + E_OFFSET per
+    row known before the forward (r: the label's logit), so that p = e exp(c - lse) with ONE factor per row and
+    d(logits) is a row scaling of e that the gradient GEMMs can apply to their small operands
+    (:mod:`hopperkern.lce.sft`). Formed as e exp(m - c) from the running sum's own exponentials (one multiply,
+    no second exp), with m - c clamped to E_CLAMP: every stored value stays finite (at most exp(E_CLAMP)), and a
+    row whose logits exceed c + E_CLAMP (the caller flags it from its LSE) is formed again by other means.
     """
     tl.static_assert(not (STORE_Z and STORE_E), "one of STORE_Z and STORE_E")
     pid = tl.program_id(0)
@@ -115,6 +124,8 @@ def lce_forward_kernel(
     t = tl.zeros((BLOCK_N,), tl.float32)
     sumz = tl.zeros((BLOCK_N,), tl.float32)
     zl = tl.zeros((BLOCK_N,), tl.float32)
+    if E_REF:
+        c_ref = tl.load(mt_ptr + rows, mask=row_ok, other=0.0) + E_OFFSET
     if PICK_LABEL:
         # An ignored or out-of-range label picks nothing that matters: the combine kernel turns a label outside
         # [0, V) into NaN. So the labels can be narrowed to int32 (fewer registers in the hot loop).
@@ -145,8 +156,14 @@ def lce_forward_kernel(
         s = s * alpha + tl.sum(e, 1)
         if STORE_E:
             # Columns >= V (e = 0 there) and rows >= N are clipped by the store on both paths.
-            store_2d(e_dst, e.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, E_TMA)
-            tl.store(mt_ptr + rows.to(tl.int64) * stride_mt + vt, m_new, mask=row_ok)
+            if E_REF:
+                e_c = e * tl.exp(tl.minimum(m_new - c_ref, E_CLAMP))[:, None]
+                store_2d(e_dst, e_c.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V,
+                         E_TMA)
+            else:
+                store_2d(e_dst, e.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V,
+                         E_TMA)
+                tl.store(mt_ptr + rows.to(tl.int64) * stride_mt + vt, m_new, mask=row_ok)
         if NEED_T:
             t = t * alpha + tl.sum(e * zv, 1)
         if NEED_SUMZ:
@@ -512,36 +529,104 @@ def lce_sft_dlogits_kernel(
 
 
 @triton.jit
-def lce_sft_fixup_kernel(
-    d_ptr,  # [N, ld_d] in: e = exp(z - m) from lce_forward_kernel (STORE_E); out, in place: d(logits)
-    mt_ptr,  # [N, ld_mt] fp32: the running max m behind each vocab tile's e (STORE_E)
+def _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr, ignore_index, z_loss, E_OFFSET: tl.constexpr,
+                  E_CLAMP: tl.constexpr):
+    """Per-row terms of the 3-pass path over e = exp(z - c) (lce_forward_kernel's STORE_E with E_REF): labels,
+    kept, lse, c = r + E_OFFSET, a = 1 + 2 z_loss lse (the loss gradient's factor on p), and ``flagged``: a kept
+    row that the row scaling cannot serve, whose LSE lies more than E_CLAMP above c (the forward clamped its e)
+    or whose a is ~0 (the label entry's (p - 1 / a) would blow up). A NaN LSE (an out-of-range label) is not
+    flagged: its NaN reaches the row's factor."""
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    kept = row_ok & (labels != ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    c = tl.load(ref_ptr + rows, mask=row_ok, other=0.0) + E_OFFSET
+    a = 1.0 + 2.0 * z_loss * lse
+    flagged = kept & ((lse - c > E_CLAMP) | (tl.abs(a) < 0.0009765625))
+    return labels, kept, lse, c, a, flagged
+
+
+@triton.jit
+def lce_sft_rowscale_kernel(
+    e_ptr,  # [N, ld_e] e = exp(z - c) from lce_forward_kernel (STORE_E, E_REF); each kept row's label entry rewritten
+    rho_ptr,  # [N] fp32 out: the row factors, d(logits) = rho[:, None] * e
+    ref_ptr,  # [N] fp32 the reference logits r the forward took (c = r + E_OFFSET)
     labels_ptr,  # [N] int
     lse_ptr, logprob_ptr,  # [N] fp32 from the forward's combine (log p of the label: z_label - lse)
     scale_ptr,  # [1] fp32 the upstream gradient of every kept token's loss: 1 (sum) or 1 / kept tokens (mean)
-    N, V, stride_dn, stride_mt, ignore_index, label_smoothing, z_loss, inv_temp,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, FWD_BLOCK_V: tl.constexpr, D_TMA: tl.constexpr,
+    N, V, stride_en, ignore_index, z_loss, inv_temp,
+    BLOCK: tl.constexpr, E_OFFSET: tl.constexpr, E_CLAMP: tl.constexpr,
 ):
-    """d(logits) of a sum or mean loss without softcap, in place over the forward's stored exponentials: the
-    3-pass SFT path. Grid (cdiv(N, BLOCK_N), cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile, which
-    lies within one of the forward's FWD_BLOCK_V-wide vocab tiles (BLOCK_V divides FWD_BLOCK_V).
+    """The row factors of the 3-pass SFT path without softcap: d(logits) = rho[:, None] * e', with e' the forward's
+    e = exp(z - c) except at each kept row's label. Grid (cdiv(N, BLOCK),); O(N) work.
 
-    p = e exp(m - lse) in fp32 (m <= lse, so the factor is at most 1), then the gradient of lce_sft_dlogits_kernel,
-    dz = (p A + C [j == label] + D) / T, rounded once. At the label, p comes from the forward's fp32 log-prob,
-    so that p - 1 of a confident prediction keeps its precision. A token whose LSE is NaN (an out-of-range
-    label) gets a NaN row.
-    """
-    tl.static_assert(FWD_BLOCK_V % BLOCK_V == 0, "a fixup tile must lie within one forward vocab tile")
+    Away from the label, dz = g a p / T with p = e exp(c - lse), so rho = g a exp(c - lse) / T (g: ``scale``;
+    a = 1 + 2 z_loss lse). At the label dz = g (a p - 1) / T, so the entry becomes (p - 1 / a) exp(lse - c), formed
+    in fp32 with p from the forward's fp32 log-prob, so that p - 1 of a confident prediction keeps its precision,
+    and rounded once. Ignored rows get rho = 0 (their e is finite: the forward clamps it), a NaN LSE a NaN rho.
+    A flagged row (see :func:`_sft_ref_rows`) gets rho = 1 and its label entry is left alone:
+    lce_sft_rows_kernel writes its whole d(logits) row."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < N
+    labels, kept, lse, c, a, flagged = _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr, ignore_index,
+                                                     z_loss, E_OFFSET, E_CLAMP)
+    g = tl.load(scale_ptr)
+    rho = tl.where(kept, g * a * inv_temp * tl.exp(tl.where(kept, c - lse, 0.0)), 0.0)
+    tl.store(rho_ptr + rows, tl.where(flagged, 1.0, rho), mask=row_ok)
+    here = kept & (~flagged) & (labels >= 0) & (labels < V)
+    p = tl.exp(tl.load(logprob_ptr + rows, mask=here, other=0.0))
+    entry = (p - 1.0 / tl.where(here, a, 1.0)) * tl.exp(tl.where(here, lse - c, 0.0))
+    tl.store(e_ptr + rows.to(tl.int64) * stride_en + labels, entry.to(e_ptr.dtype.element_ty), mask=here)
+
+
+@triton.jit
+def lce_sft_rows_kernel(
+    h_ptr,  # [N, H]
+    w_ptr,  # [V, H]
+    b_ptr,  # [V] or dummy
+    d_ptr,  # [N, ld_d] out: the d(logits) rows of flagged tokens (others untouched)
+    ref_ptr,  # [N] fp32 the reference logits of lce_sft_rowscale_kernel
+    labels_ptr,  # [N] int
+    lse_ptr, logprob_ptr,  # [N] fp32 from the forward's combine
+    scale_ptr,  # [1] fp32 the upstream gradient of every kept token's loss
+    N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, ignore_index, z_loss, inv_temp,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, E_OFFSET: tl.constexpr, E_CLAMP: tl.constexpr,
+):
+    """The whole d(logits) rows of the tokens lce_sft_rowscale_kernel flagged (rho = 1), from logits recomputed
+    tile by tile: dz = (p A + C [j == label]) / T in fp32 as in lce_sft_dlogits_kernel, rounded once. Grid
+    (cdiv(N, BLOCK_N), cdiv(V, BLOCK_V)); a program whose rows hold no flagged token returns at once (the
+    usual case: a flagged token has log p < -(E_OFFSET + E_CLAMP) or a z-loss factor of ~0)."""
     row0 = tl.program_id(0) * BLOCK_N
     col0 = tl.program_id(1) * BLOCK_V
     rows, row_ok, labels, kept, lse, logp, a, c, d = _sft_rows(
-        row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_index, label_smoothing, z_loss, BLOCK_N)
-    mt = tl.load(mt_ptr + rows.to(tl.int64) * stride_mt + col0 // FWD_BLOCK_V, mask=row_ok, other=0.0)
-    d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
-    e = load_2d(d_src, row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA).to(tl.float32)
-    dz = _sft_dz(e * tl.exp(mt - lse)[:, None], 0.0, col0, labels, kept, logp, a, c, d, 1.0, inv_temp, BLOCK_V,
-                 False)
-    # Rows >= N and columns >= V are clipped by the store on both paths.
-    store_2d(d_src, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)
+        row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_index, 0.0, z_loss, BLOCK_N)
+    _, _, _, _, _, flagged = _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr, ignore_index, z_loss,
+                                           E_OFFSET, E_CLAMP)
+    if tl.max(flagged.to(tl.int32), 0) != 0:
+        h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, False)
+        w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, False)
+        z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                         1.0, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, False, False, False, DOT_PRECISION)
+        dz = _sft_dz(tl.exp(z - lse[:, None]), z, col0, labels, kept, logp, a, c, d, 1.0, inv_temp, BLOCK_V,
+                     False)
+        cols = col0 + tl.arange(0, BLOCK_V)
+        tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :], dz.to(d_ptr.dtype.element_ty),
+                 mask=flagged[:, None] & (cols[None, :] < V))
+
+
+@triton.jit
+def lce_row_scale_kernel(x_ptr, rho_ptr, out_ptr, N, H, stride_xn, stride_xk, stride_on,
+                         BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out = round(rho[:, None] * x): the product of x's element and the fp32 row factor in fp32, rounded once
+    to out's dtype (the operand of the 3-pass path's d_weight GEMM, :func:`hopperkern.lce.sft.lce_sft_backward`).
+    Grid (cdiv(N, BLOCK_N), cdiv(H, BLOCK_H))."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = (rows < N)[:, None] & (cols < H)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_xn + cols[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
+    rho = tl.load(rho_ptr + rows, mask=rows < N, other=0.0)
+    tl.store(out_ptr + r64 * stride_on + cols[None, :], (x * rho[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

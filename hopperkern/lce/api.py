@@ -176,7 +176,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
                              need_hidden_grad=hidden2d.requires_grad, need_weight_grad=weight.requires_grad,
                              bias=bias is not None)
     if path == "3pass":
-        loss, _ = _eager_or_op(LceSftFunction, lce_sft_forward_op, *args, check, reduction == "mean")
+        loss = _eager_or_op(LceSftFunction, lce_sft_forward_op, *args, check, reduction == "mean")[0]
         return loss
     if path == "chunked":
         out = _eager_or_op(LceSftChunkedFunction, lce_sft_chunked_forward_op, *args, check, reduction == "mean",

@@ -62,6 +62,13 @@ _ROW_BLOCK_K = 128
 # lce_label_mma_kernel's launch: rows (and gathered label rows) per program, warps, pipeline stages.
 _LABEL_MMA_ROWS, _LABEL_MMA_WARPS, _LABEL_MMA_STAGES = 64, 4, 4
 _LABEL_MMA: bool | None = None  # tests: True / False force the label kernel / the in-tile pick (None: label_by_mma)
+# The 3-pass SFT forward's exponentials e = exp(z - c), c = (the label's logit) + E_OFFSET, with z - c clamped to
+# E_CLAMP (lce_forward_kernel's E_REF): every stored e <= exp(60) ~ 1e26, so a row of them times the weight stays far
+# from fp32's overflow; a row whose LSE exceeds c + E_CLAMP (log p of its label < -80) is formed again by
+# lce_sft_rows_kernel. Underflow: e below fp32's least normal number, exp(-87), is lost, a probability
+# p = e exp(c - lse) <= e exp(E_OFFSET) below exp(-67) ~ 1e-29 at most (where the label is likely).
+E_OFFSET = 20.0
+E_CLAMP = 60.0
 _LABEL_MMA_MIN_TILE = 128 * 256  # BLOCK_N x BLOCK_V from which label_by_mma takes the label kernel
 _MIN_SPLIT_COLS = 4096  # vocab columns per forward program at least (a split's start-up and stores amortised)
 _PROGRAM_COST = 0.5  # a forward program's start-up and statistics stores, in vocab tiles' time (forward_plan)
@@ -321,15 +328,18 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
             BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
         )
     z_arg, mt_arg = _store_args(z_out, e_out) or (one, one)
+    e_ref = store_e and mt_arg.dim() == 1
     plan.forward = Launch(
         lce_forward_kernel, (cdiv(N, cfg.block_m) * S,),
         hidden2d, weight, b_arg, labels1d, one, one, one, one, one, z_arg, mt_arg,
         N, V, H, S, tps, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1),
-        z_arg.stride(0) if store_z or store_e else 0, mt_arg.stride(0) if store_e else 0, softcap, opts.inv_temp,
+        z_arg.stride(0) if store_z or store_e else 0, mt_arg.stride(0) if store_e and not e_ref else 0, softcap,
+        opts.inv_temp,
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
         HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
         PICK_LABEL=in_tiles, STORE_Z=store_z, STORE_E=store_e, E_TMA=d.use.get("exp_logits", False),
+        E_REF=e_ref, E_OFFSET=E_OFFSET, E_CLAMP=E_CLAMP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     plan.combine = _combine_launch(S, N, S if in_tiles else 1, labels1d, V, opts, need_entropy, need_sumz, one)
@@ -375,10 +385,12 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     ``z_out`` (with ``pick_label``; the 3-pass SFT path, :mod:`.sft`): an fp32 [N, >= V] buffer with unit column
     stride that receives the final logits of every token, written by the same kernel.
 
-    ``e_out`` (with ``pick_label``, not with ``z_out``; the 3-pass SFT path without softcap): ``(e, mt)``, e an
+    ``e_out`` (with ``pick_label``, not with ``z_out``; the 3-pass paths without softcap): ``(e, mt)``, e an
     [N, >= V] buffer in the inputs' dtype with unit column stride that receives exp(z - m) of every logit, m the
     row's running max after each vocab tile of the config's ``block_n`` columns, written to the fp32 [N, >= that
-    many tiles] ``mt`` (see ``lce_forward_kernel``'s STORE_E).
+    many tiles] ``mt`` (see ``lce_forward_kernel``'s STORE_E); or ``(e, ref)`` with ref an fp32 [>= N] of
+    reference logits r read by the forward, when e receives exp(z - c) with c = r + ``E_OFFSET``, z - c clamped
+    to ``E_CLAMP`` (STORE_E with E_REF).
 
     The config, TMA decision and launches come from a cached plan (:func:`forward_plan_for`).
     """
@@ -394,7 +406,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     _check_store(hidden2d, weight, z_out, e_out, pick_label)
     plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
                             config=config, z_out=z_out, e_out=e_out)
-    if e_out is not None and e_out[1].shape[1] < plan.num_vt:
+    if e_out is not None and e_out[1].dim() == 2 and e_out[1].shape[1] < plan.num_vt:
         raise ValueError(f"lce_forward: mt must have at least {plan.num_vt} columns (vocab tiles of the config's "
                          f"block_n), got {e_out[1].shape[1]}")
     store = _store_args(z_out, e_out)
@@ -449,8 +461,12 @@ def _check_store(hidden2d, weight, z_out, e_out, pick_label: bool) -> None:
         if not (isinstance(e_out, tuple) and len(e_out) == 2):
             raise TypeError("lce_forward: e_out must be a tuple (e, mt)")
         e, mt = e_out
-        check_dtype("e_out[1] (mt)", mt, (torch.float32,))
-        if mt.dim() != 2 or mt.shape[0] < N or (mt.shape[1] > 1 and mt.stride(1) != 1):
+        check_dtype("e_out[1] (mt or ref)", mt, (torch.float32,))
+        if mt.dim() == 1:
+            if mt.shape[0] < N or (N > 1 and mt.stride(0) != 1):
+                raise ValueError(f"lce_forward: ref must be [>= N={N}] with unit stride, got shape "
+                                 f"{tuple(mt.shape)} and strides {tuple(mt.stride())}")
+        elif mt.dim() != 2 or mt.shape[0] < N or (mt.shape[1] > 1 and mt.stride(1) != 1):
             raise ValueError(f"lce_forward: mt must be [>= N={N}, tiles] with unit column stride, got shape "
                              f"{tuple(mt.shape)} and strides {tuple(mt.stride())}")
         want, what = hidden2d.dtype, "e_out[0] (e)"

@@ -28,7 +28,7 @@ from .launch import LceOptions, check_labels, lce_backward, lce_forward
 from .rl import stored_config as rl_stored_config
 from .rl import lce_rl_backward, lce_rl_forward
 from .sft import lce_sft_backward, lce_sft_chunked_backward, lce_sft_chunked_forward, lce_sft_forward, loss_scale
-from .sft import loss_total, padded_cols
+from .sft import fp32_logits, loss_total, padded_cols
 
 
 _OPTS: dict = {}
@@ -211,9 +211,10 @@ class LceReducedFunction(torch.autograd.Function):
 
 def lce_sft_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
                          label_smoothing: float, z_loss: float, softcap: float, temperature: float, tma: str,
-                         check: bool, mean: bool) -> tuple[Tensor, Tensor]:
-    """(loss, dlogits): the 0-dim fp32 sum (``mean``: mean over kept tokens) of the per-token loss, and its
-    gradient w.r.t. the logits as [N, padded_cols(V)] in hidden's dtype; see :func:`sft.lce_sft_forward`."""
+                         check: bool, mean: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, dlogits, rho): the 0-dim fp32 sum (``mean``: mean over kept tokens) of the per-token loss, and its
+    gradient w.r.t. the logits as rho[:, None] * dlogits, dlogits [N, padded_cols(V)] in hidden's dtype, rho fp32
+    [N] (or [0]: none); see :func:`sft.lce_sft_forward`."""
     with launch_context(hidden, "hopperkern.lce"):
         if check:
             check_labels(labels, weight.shape[0], ignore_index)
@@ -226,16 +227,21 @@ lce_sft_forward_op = torch.library.custom_op("hopperkern::lce_sft_forward", muta
 
 @lce_sft_forward_op.register_fake
 def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, check, mean):
-    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0], padded_cols(weight.shape[0])))
+    N = hidden.shape[0]
+    rows = 0 if N == 0 or fp32_logits(hidden.dtype, softcap, label_smoothing) else N
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty((N, padded_cols(weight.shape[0]))),
+            hidden.new_empty((rows,), dtype=torch.float32))
 
 
-def lce_sft_backward_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dlogits: Tensor, g: Tensor,
-                          need_hidden_grad: bool, need_weight_grad: bool, tma: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(d_hidden, d_weight, d_bias) for the upstream gradient ``g`` (0-dim) of lce_sft_forward's loss; a gradient
-    that is not needed comes back as an empty tensor. See :func:`sft.lce_sft_backward`."""
+def lce_sft_backward_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dlogits: Tensor, rho: Tensor,
+                          g: Tensor, need_hidden_grad: bool, need_weight_grad: bool,
+                          tma: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_hidden, d_weight, d_bias) for the upstream gradient ``g`` (0-dim) of lce_sft_forward's loss, from its
+    dlogits and rho; a gradient that is not needed comes back as an empty tensor. See
+    :func:`sft.lce_sft_backward`."""
     with launch_context(hidden, "hopperkern.lce backward"):
         grads = lce_sft_backward(hidden, weight, bias, dlogits, g, need_hidden_grad=need_hidden_grad,
-                                 need_weight_grad=need_weight_grad, tma=tma)
+                                 need_weight_grad=need_weight_grad, tma=tma, rho=rho)
     return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
 
 
@@ -243,15 +249,15 @@ lce_sft_backward_op = torch.library.custom_op("hopperkern::lce_sft_backward", mu
 
 
 @lce_sft_backward_op.register_fake
-def _(hidden, weight, bias, dlogits, g, need_hidden_grad, need_weight_grad, tma):
+def _(hidden, weight, bias, dlogits, rho, g, need_hidden_grad, need_weight_grad, tma):
     return _fake_grads(hidden, weight, bias, need_hidden_grad, need_weight_grad)
 
 
 def _sft_setup_context(ctx, inputs, output):
     hidden, weight, _, bias = inputs[:4]
-    dlogits = output[1]
-    ctx.mark_non_differentiable(dlogits)
-    ctx.save_for_backward(hidden, weight, bias, dlogits)
+    dlogits, rho = output[1], output[2]
+    ctx.mark_non_differentiable(dlogits, rho)
+    ctx.save_for_backward(hidden, weight, bias, dlogits, rho)
     ctx.tma = inputs[9]
     # Without this autograd would fill a zero gradient for dlogits ([N, V]: as large as dlogits itself) before
     # every backward.
@@ -260,16 +266,16 @@ def _sft_setup_context(ctx, inputs, output):
 
 def _sft_grads(ctx, backward, g_loss):
     """(d_hidden, d_weight, d_bias), None where not needed, through ``backward`` (the op or its function)."""
-    hidden, weight, bias, dlogits = ctx.saved_tensors
+    hidden, weight, bias, dlogits, rho = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = bias is not None and ctx.needs_input_grad[3]
     if g_loss is None or not (need_h or need_w or need_b):
         return None, None, None
-    dh, dw, db = backward(hidden, weight, bias, dlogits, g_loss, need_h, need_w, ctx.tma)
+    dh, dw, db = backward(hidden, weight, bias, dlogits, rho, g_loss, need_h, need_w, ctx.tma)
     return dh if need_h else None, dw if need_w else None, db if need_b else None
 
 
-def _sft_backward(ctx, g_loss, _):
+def _sft_backward(ctx, g_loss, *_):
     dh, dw, db = _sft_grads(ctx, lce_sft_backward_op, g_loss)
     return (dh, dw, None, db) + (None,) * 8
 
@@ -292,7 +298,7 @@ class LceSftFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
-    def backward(ctx, g_loss, _):
+    def backward(ctx, g_loss, *_):
         dh, dw, db = _sft_grads(ctx, lce_sft_backward_impl, g_loss)
         return (dh, dw, None, db) + (None,) * 8
 

@@ -48,7 +48,7 @@ from ..tuning import KernelConfig
 from ._kernels import lce_exp_dlogits_kernel
 from .launch import DLOGITS_BUDGET, LceOptions, _dw_rows, lce_backward, lce_forward, pick_config
 from . import sft as _sft
-from .sft import _FIXUP_POINTER, budget_bytes, lce_sft_backward, padded_cols
+from .sft import budget_bytes, lce_sft_backward, padded_cols
 
 __all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_TOKENS_NARROW_TILES", "MIXED_ROW_STEP", "MIN_STORED_ROWS",
            "check_grad_path", "use_3pass", "stored_rows", "extra_bytes", "mixed_extra_bytes", "forward_config",
@@ -76,6 +76,7 @@ MIN_STORED_ROWS = 1024
 _RL_OP = "lce.rl_dlogits"  # the in-place d(logits) launch's name in tma.last_decision
 # The in-place pass's tiles: as the SFT fix-up's (same bytes per logit), measured there on the H200.
 _BLOCKS, _BLOCKS_INTERPRETED = (32, 128), (16, 32)
+_EXP_POINTER = "tma='auto': pointer loads are faster for the in-place d(logits) pass (measured on the H200)"
 
 
 def check_grad_path(grad_path, dtype: torch.dtype, *, sharded: bool = False) -> None:
@@ -123,7 +124,7 @@ def stored_rows(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> i
 def _mixed_rows(N: int, V: int, H: int, elem: int, budget: int) -> int:
     """:func:`stored_rows` of the mixed path: a few dozen integer steps at most, beside a call of 100 ms or more
     of GPU work, so not cached (the memory terms read module constants that tests change)."""
-    per_row = padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4
+    per_row = padded_cols(V) * elem + 2 * _max_tiles(V) * 4
     rows = max(0, budget - mixed_extra_bytes(N, 0, V, H, elem)) // per_row // MIXED_ROW_STEP * MIXED_ROW_STEP
     top = (N - 1) // MIXED_ROW_STEP * MIXED_ROW_STEP
     rows = min(rows, top)
@@ -146,15 +147,24 @@ def mixed_extra_bytes(N: int, S: int, V: int, H: int, elem: int) -> int:
     # d_weight sum at most DW_SLICE_BUDGET bytes (16-bit inputs; fp32 d_weight is its own sum).
     cols = max(256, DLOGITS_BUDGET // (max(1, N - S) * elem))
     acc_w = min(cols, _dw_rows(H)) * H * 4 if elem != 4 else 0
-    return (S * (padded_cols(V) * elem + 2 * _sft._max_tiles(V) * 4) + max(S, N - S) * H * 4 + DLOGITS_BUDGET
+    return (S * (padded_cols(V) * elem + 2 * _max_tiles(V) * 4) + max(S, N - S) * H * 4 + DLOGITS_BUDGET
             + acc_w)
 
 
+def _max_tiles(V: int) -> int:
+    """Columns of the per-tile maxima counted by :func:`extra_bytes`: vocab tiles of 64 columns (the tuned GPU
+    configs' tiles are 128 or 256 wide; the array is 1/32 of a bf16 d(logits) at 64)."""
+    return cdiv(V, 64)
+
+
 def extra_bytes(N: int, V: int, H: int, elem: int) -> int:
-    """Peak extra memory of the 3-pass path beyond its inputs, outputs and gradients: :func:`.sft.extra_bytes` (the
-    kept N x V buffer plus the larger of the forward's per-tile maxima and the backward's fp32 d_hidden) plus the
-    per-tile maxima once more, which the backward reads beside its fp32 d_hidden."""
-    return _sft.extra_bytes(N, V, H, elem) + N * _sft._max_tiles(V) * 4
+    """Peak extra memory of the 3-pass path beyond its inputs, outputs and gradients: the kept N x V buffer plus the
+    larger of the forward's per-tile maxima (:func:`_max_tiles`) and the backward's fp32 d_hidden (and for fp32
+    inputs a d_weight slice), plus the per-tile maxima once more, which the backward reads beside its fp32
+    d_hidden."""
+    tiles = N * _max_tiles(V) * 4
+    backward = N * H * 4 + (_sft._slice_rows(V, H) * H * 4 if elem == 4 else 0)
+    return N * padded_cols(V) * elem + max(tiles, backward) + tiles
 
 
 def forward_config(cfg: KernelConfig, N: int) -> KernelConfig:
@@ -260,7 +270,7 @@ def _exp_dlogits_launch(tensors, N: int, V: int, flags: tuple, opts: LceOptions)
     bn, bv = _BLOCKS_INTERPRETED if _tma.interpreter_active() else _BLOCKS
     fwd_bv = forward_block_v(V, mt.shape[1])
     bv = min(bv, fwd_bv)
-    d = _tma.decide(opts.tma, {"dlogits": (e, (bn, bv))}, op=_RL_OP, auto_pointer=_FIXUP_POINTER, record=False)
+    d = _tma.decide(opts.tma, {"dlogits": (e, (bn, bv))}, op=_RL_OP, auto_pointer=_EXP_POINTER, record=False)
     launch = Launch(lce_exp_dlogits_kernel, (cdiv(N, bn), cdiv(V, bv)), *tensors, N, V, e.stride(0), dl.stride(0),
                     mt.stride(0), opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), opts.inv_temp,
                     BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv,

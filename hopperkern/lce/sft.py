@@ -5,14 +5,20 @@ scalar factor g at the end of the forward. So the forward can form d(logits) its
 is two GEMMs: three passes over the vocab (logits, d_hidden, d_weight) instead of the 4-pass path's four (logits;
 then, in :func:`.launch.lce_backward`, the logits again, d_hidden and d_weight).
 
-Forward (:func:`lce_sft_forward`) of bf16 or fp32 inputs without softcap or label smoothing: one :func:`.launch.lce_forward` over
-all N tokens with ``e_out`` computes the statistics and writes, for every logit, e = exp(z - m) (m the row's running
-max after its vocab tile, kept per tile in fp32) into the [N, V] buffer kept for the backward, in the inputs'
-dtype. Once the combine gives the LSE and the label's fp32 log-prob, ``lce_sft_fixup_kernel`` turns e into
-d(logits) in place, with p = e exp(m - lse) formed in fp32, for an upstream gradient of 1 (sum) or 1 / kept tokens
-(mean, read from the device: no host sync), rounded once more. bf16 and fp32 keep e's relative precision at every
-magnitude (bf16: 2^-9 down to 1e-38), where rounded logits would put errors of ulp(z) into p; in bf16 d(logits) is
-thus within two roundings of the exact value rather than one, which the GPU tests bound against fp64 and torch.
+Forward (:func:`lce_sft_forward`) of bf16 or fp32 inputs without softcap or label smoothing: an O(N H) fp32 dot gives
+each token's label logit r first; one :func:`.launch.lce_forward` over all N tokens with ``e_out=(e, r)`` computes
+the statistics and writes, for every logit, e = exp(z - c) with one reference c = r + ``E_OFFSET`` (20) per row
+into the [N, V] buffer kept for the backward, in the inputs' dtype (formed from the running sum's own exponentials,
+z - c clamped to ``E_CLAMP`` (60) so that every stored e is finite). With the LSE known, d(logits) is a row scaling
+of e: dz = rho e with rho = g a exp(c - lse) / T (g: 1 for a sum, 1 / kept tokens for a mean, read from the device:
+no host sync; a = 1 + 2 z_loss lse), except at the label, where dz = g (a p - 1) / T. ``lce_sft_rowscale_kernel``
+(O(N)) writes rho and overwrites each label entry with (p - 1 / a) exp(lse - c), p from the forward's fp32
+log-prob, so that p - 1 of a confident prediction keeps its precision; no pass over the N x V buffer forms
+d(logits), the backward applies rho to its GEMMs' small operands. A token whose LSE lies more than ``E_CLAMP``
+above c (log p of its label below -80: the clamp may have cut its e) or whose a is ~0 is flagged:
+``lce_sft_rows_kernel`` writes its whole d(logits) row from recomputed logits, with rho = 1 (its programs return
+at once where no row is flagged). bf16 and fp32 keep e's relative precision at every magnitude (bf16: 2^-9 down to
+1e-38), where rounded logits would put errors of ulp(z) into p; e of a probability below ~1e-29 underflows to 0.
 
 With fp32 logits instead (:func:`fp32_logits`): with softcap, whose tanh factor needs each logit itself; with label
 smoothing, whose constant term -eps/V nearly cancels p A where p is close to eps/V (a difference formed after e's
@@ -25,11 +31,13 @@ Backward (:func:`lce_sft_backward`), g the 0-dim upstream gradient on the device
 with fp32 accumulation, g applied to the fp32 sum and one rounding (no second rounding when g != 1: loss scaling,
 1/k gradient accumulation). d_hidden: cuBLAS with fp32 output, then g. d_weight of 16-bit inputs:
 ``lce_dweight_kernel``, g in its epilogue; of fp32 inputs: cuBLAS in vocab slices of at most ``DW_SLICE_BUDGET``
-fp32 bytes.
+fp32 bytes. With row factors rho (the exponentials' forward), dl = e' and: d_hidden = round((g rho)[:, None] *
+(e' @ w)) from the fp32 product; d_weight = round(g * (e'^T @ round(rho[:, None] * h))), h's rows scaled in fp32
+and rounded once (``lce_row_scale_kernel``, O(N H)): a relative error per term like e's own rounding.
 
 Chunked variant (:func:`lce_sft_chunked_forward`, ``sft_path="chunked"``) where the kept d(logits) would not fit:
 the forward takes the tokens in chunks of C tokens at most (:func:`chunk_tokens`, evened out by
-:func:`balanced_chunk`); for each chunk it forms d(logits) as above into
+:func:`balanced_chunk`); for each chunk it forms d(logits) (or e' and its row factors) as above into
 one reused [C, V] buffer and runs both gradient GEMMs on it at once: the chunk's rows of d_hidden (cuBLAS with fp32
 output; its K dim, the vocabulary, whole in one GEMM; rounded to the inputs' dtype) and the d_weight sum over the
 chunks in fp32 (and d_bias's in fp32 [V]). For 16-bit inputs ``lce_dweight_kernel`` adds each chunk's product to that
@@ -47,7 +55,7 @@ d_weight buffers beside the kept ones: (N + V) x H x itemsize more).
 
 Memory rule (``sft_path="auto"``): the 3-pass path runs from ``MIN_TOKENS_3PASS`` tokens (``MIN_TOKENS_FP32_LOGITS``
 where the forward keeps fp32 logits) when its extra memory, :func:`extra_bytes` (the kept d(logits), N x V in the
-inputs' dtype, plus the larger of the forward's scratch (the per-tile maxima, or the fp32 logits chunk) and the
+inputs' dtype, plus the larger of the forward's scratch (the fp32 logits chunk, or 8 bytes a token) and the
 backward's fp32 d_hidden (and, for fp32 inputs, d_weight slice)), is at most :func:`budget_bytes` = V x H x 4
 bytes (an fp32 copy of the weight) + ``EXTRA_BUDGET`` (512 MiB); otherwise, or when the weight needs no gradient,
 the chunked variant from the same token count when its chunks, sized to that budget, hold at least
@@ -68,9 +76,11 @@ from .._host import cdiv
 from .._validate import check_choice, dot_precision
 from ..tma.launcher import Launch, LaunchCache, state_key, tensors_key
 from ..tuning import KernelConfig
-from ._kernels import (lce_dweight_kernel, lce_loss_scale_kernel, lce_loss_total_kernel, lce_sft_dlogits_kernel,
-                       lce_sft_fixup_kernel, lce_split_finalize_kernel)
-from .launch import LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32, label_by_mma, lce_forward, pick_config
+from ._kernels import (lce_dweight_kernel, lce_label_logit_kernel, lce_loss_scale_kernel, lce_loss_total_kernel,
+                       lce_row_scale_kernel, lce_sft_dlogits_kernel, lce_sft_rows_kernel, lce_sft_rowscale_kernel,
+                       lce_split_finalize_kernel)
+from .launch import (_ROW_BLOCK, _ROW_BLOCK_K, E_CLAMP, E_OFFSET, LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32,
+                     label_by_mma, lce_forward, pick_config)
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
            "balanced_chunk", "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
@@ -133,12 +143,6 @@ def _slice_rows(V: int, width: int) -> int:
     return min(V, max(256, rows // 256 * 256))
 
 
-def _max_tiles(V: int) -> int:
-    """Columns of the per-tile maxima counted by :func:`extra_bytes`: vocab tiles of 64 columns (the tuned GPU
-    configs' tiles are 128 or 256 wide; the array is 1/32 of a bf16 d(logits) at 64)."""
-    return cdiv(V, 64)
-
-
 def fp32_logits(dtype: torch.dtype, softcap, label_smoothing=0.0) -> bool:
     """Whether the 3-pass forward keeps fp32 logits per token chunk rather than the exponentials: with softcap
     (the tanh factor needs each logit), with label smoothing (p A - eps/V would be a difference of nearly equal
@@ -150,14 +154,11 @@ def fp32_logits(dtype: torch.dtype, softcap, label_smoothing=0.0) -> bool:
 
 def extra_bytes(N: int, V: int, H: int, elem: int, *, logits: bool = False) -> int:
     """Peak extra memory of the 3-pass path beyond its inputs and gradients (``elem``: bytes per input element;
-    ``logits``: :func:`fp32_logits` of the call): the kept d(logits) plus the larger of the forward's scratch (the
-    per-tile maxima, see :func:`_max_tiles`, or the fp32 logits chunk) and the backward's fp32 scratch (d_hidden,
-    and for fp32 inputs a d_weight slice)."""
+    ``logits``: :func:`fp32_logits` of the call): the kept d(logits) (and without ``logits`` the fp32 row factors
+    and reference logits) plus the larger of the forward's fp32 logits chunk and the backward's scratch (fp32
+    d_hidden, or the row-scaled hidden states, and for fp32 inputs a d_weight slice)."""
     ld = padded_cols(V)
-    if logits:
-        forward = min(N, chunk_rows(V, 128, chunk_bytes(N, V, H, elem))) * ld * 4
-    else:
-        forward = N * _max_tiles(V) * 4
+    forward = min(N, chunk_rows(V, 128, chunk_bytes(N, V, H, elem))) * ld * 4 if logits else N * 8
     backward = N * H * 4 + (_slice_rows(V, H) * H * 4 if elem == 4 else 0)
     return N * ld * elem + max(forward, backward)
 
@@ -195,14 +196,17 @@ def _chunk_fit(V: int, H: int, elem: int, *, logits: bool, need_hidden_grad: boo
     left = (budget_bytes(V, H) if budget is None else budget) - (V * H * 2 if need_weight_grad and elem == 2 else 0) \
         - (V * 4 if bias else 0)
     ld = padded_cols(V)
-    per_token = ld * elem + (ld * 4 if logits else _max_tiles(V) * 4) + (H * 4 if need_hidden_grad else 0)
+    # Per token: its d(logits) row; fp32 logits, or the reference logit, row factor and (for d_weight) scaled
+    # hidden row; the fp32 d_hidden row.
+    per_token = ld * elem + (ld * 4 if logits else 8 + (H * elem if need_weight_grad else 0)) \
+        + (H * 4 if need_hidden_grad else 0)
     return max(0, left // per_token)
 
 
 def chunk_tokens(V: int, H: int, elem: int, *, logits: bool = False, need_hidden_grad: bool = True,
                  need_weight_grad: bool = True, bias: bool = False, budget: int | None = None) -> int:
     """Tokens per chunk of the chunked variant: whole row blocks of 128 whose d(logits) (``elem`` bytes each), forward
-    scratch (the per-tile maxima, or with ``logits`` fp32 logits) and fp32 d_hidden rows fit what ``budget`` (default
+    scratch (row factors and scaled hidden rows, or with ``logits`` fp32 logits) and fp32 d_hidden rows fit what ``budget`` (default
     :func:`budget_bytes`) leaves beside the fp32 d_weight sum's memory beyond the gradient's (V x H x 2 bytes for
     16-bit inputs, none for fp32) and the d_bias sum; at least one row block."""
     fit = _chunk_fit(V, H, elem, logits=logits, need_hidden_grad=need_hidden_grad,
@@ -292,17 +296,17 @@ _DLOGITS_POINTER = ("tma='auto': pointer loads and stores are faster for the d(l
                     "(measured on the H200)")
 
 
-# The in-place fix-up's tiles. Measured on the H200 (bf16, one run, 4 warps): 32 x 128 tiles with pointer loads
-# stream 2.5-3.1 TB/s of its 4 bytes per logit, TMA loads and stores 2.6-2.9, 32 x 256 tiles about 1.9.
-_FIXUP_BLOCKS, _FIXUP_BLOCKS_INTERPRETED = (32, 128), (16, 32)
-# Warps of the passes that form d(logits) from what a 3-pass forward kept (this fix-up, the RL path's
-# lce_exp_dlogits_kernel and lce_sft_dlogits_kernel over fp32 logits). H200, bf16, 32 x 128 tiles, pointer loads,
-# same run, time / a bf16 copy of the same tensor: the fix-up 1.17 / 1.16 x with 8 warps against 1.36 / 1.34 x with
-# 4 (8192 x 128256, 2169 x 151936, about 3.5 TB/s of its 4 bytes per logit); the RL pass (log-probs and entropies)
-# 2.46 / 2.50 x against 2.88 / 2.85 x. lce_sft_dlogits_kernel: with its tiles (above), 8 warps against 4 took
+# Warps of the passes that form d(logits) from what a 3-pass forward kept (the RL path's lce_exp_dlogits_kernel
+# and lce_sft_dlogits_kernel over fp32 logits). H200, bf16, 32 x 128 tiles, pointer loads, same run, time / a bf16
+# copy of the same tensor: the RL pass (log-probs and entropies) 2.46 / 2.50 x with 8 warps against 2.88 / 2.85 x
+# with 4 (8192 x 128256, 2169 x 151936). lce_sft_dlogits_kernel: with its tiles (above), 8 warps against 4 took
 # 0.87 / 0.87 x at 2169 x 151936 and 4096 x 128256 (pointer loads, same run).
 DLOGITS_WARPS = 8
-_FIXUP_POINTER = "tma='auto': pointer loads are faster for the in-place d(logits) pass (measured on the H200)"
+# The 3-pass path's O(N) and O(N H) launches over exponentials: the row factors and label entries, the flagged rows'
+# d(logits) (GPU, interpreter: BLOCK_N, BLOCK_V; BLOCK_K the forward's), and the row-scaled hidden states of the backward.
+_ROWSCALE_BLOCK = 128
+_ROWS_TILES, _ROWS_TILES_INTERPRETED = (64, 128), (16, 32)
+_SCALE_TILES = (32, 256)
 
 
 def _sft_scalars(opts: LceOptions) -> tuple:
@@ -366,12 +370,14 @@ def _joined(losses: list) -> torch.Tensor:
 
 
 def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, bias, opts: LceOptions,
-                    *, mean: bool, config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, dlogits)``: the fp32 sum (or mean over kept tokens, 0.0 when none is kept) of the per-token loss
-    of :func:`.launch.lce_forward`, and d loss / d (h @ w^T + b) as a [N, padded_cols(V)] buffer in the inputs'
-    dtype (columns >= V unused), for an upstream gradient of 1 on ``loss``. Inputs must be validated already.
-    Extra memory: the returned buffer plus the fp32 per-tile maxima [N, V / block_n], or where
-    :func:`fp32_logits` an fp32 [C, padded_cols(V)] logits chunk (:func:`chunk_bytes`)."""
+                    *, mean: bool, config: KernelConfig | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, dlogits, rho)``: the fp32 sum (or mean over kept tokens, 0.0 when none is kept) of the per-token
+    loss of :func:`.launch.lce_forward`, and d loss / d (h @ w^T + b) for an upstream gradient of 1 on ``loss``
+    as ``rho[:, None] * dlogits``: ``dlogits`` a [N, padded_cols(V)] buffer in the inputs' dtype (columns >= V
+    unused), ``rho`` the fp32 [N] row factors, or an empty tensor where ``dlogits`` is d(logits) itself (with
+    :func:`fp32_logits`). Inputs must be validated already. Extra memory: the returned buffers, or where
+    :func:`fp32_logits` an fp32 [C, padded_cols(V)] logits chunk (:func:`chunk_bytes`) beside them."""
     _tma.check_interpreter(hidden2d.dtype, "lce.forward")
     N = hidden2d.shape[0]
     V, H = weight.shape
@@ -379,11 +385,14 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     ld = padded_cols(V)
     dl = torch.empty((N, ld), dtype=hidden2d.dtype, device=dev)
     if N == 0:
-        return torch.zeros((), dtype=f32, device=dev), dl
+        return torch.zeros((), dtype=f32, device=dev), dl, _none(dev)
     # The upstream gradient of each kept token's loss, on the device (no host sync): 1 / kept tokens for "mean".
     scale = loss_scale(labels1d, opts.ignore_index, mean)
-    store = _forward_logits if fp32_logits(hidden2d.dtype, opts.softcap, opts.label_smoothing) else _forward_exp
-    return loss_total(store(hidden2d, weight, labels1d, bias, opts, dl, scale, config), scale)[0], dl
+    if fp32_logits(hidden2d.dtype, opts.softcap, opts.label_smoothing):
+        loss, rho = _forward_logits(hidden2d, weight, labels1d, bias, opts, dl, scale, config), _none(dev)
+    else:
+        loss, rho = _forward_exp(hidden2d, weight, labels1d, bias, opts, dl, scale, config)
+    return loss_total(loss, scale)[0], dl, rho
 
 
 def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, z=None) -> torch.Tensor:
@@ -425,36 +434,92 @@ def _dlogits_launch(tensors, rows: int, V: int, opts: LceOptions):
     return launch, d
 
 
-def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, mt=None) -> torch.Tensor:
-    """The per-token losses (fp32 [N]), with d(logits) written to ``dl``: one forward over all tokens that stores
-    the exponentials, then the in-place fix-up (bf16 or fp32, no softcap, no label smoothing). ``mt``: the fp32
-    per-tile maxima buffer ([>= N, >= V / block_n]), else one of that size."""
+def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, ref=None, rho=None):
+    """``(loss, rho)``: the per-token losses (fp32 [N]) and the row factors (fp32 [N]), with ``dl`` holding e' such
+    that d(logits) = rho[:, None] * e' (bf16 or fp32, no softcap, no label smoothing). One forward over all tokens
+    that stores e = exp(z - c) per row reference c (``e_out=(dl, ref)``, see ``lce_forward_kernel``'s E_REF), the
+    label's logit from an O(N H) fp32 dot before it; then ``lce_sft_rowscale_kernel`` (O(N): the factors and the
+    label entries) and ``lce_sft_rows_kernel`` (the rows whose logits lie too far above their label's, if any).
+    ``ref``, ``rho``: fp32 [>= N] buffers, else new ones."""
     N, H = hidden2d.shape
     V = weight.shape[0]
-    cfg = config or store_e_config(pick_config("forward", hidden2d.dtype, N, H, hidden2d.device), hidden2d.dtype,
-                                   hidden2d.device)
-    if mt is None:
-        mt = torch.empty((N, cdiv(V, cfg.block_n)), dtype=torch.float32, device=hidden2d.device)
+    dev = hidden2d.device
+    cfg = config or store_e_config(pick_config("forward", hidden2d.dtype, N, H, dev), hidden2d.dtype, dev)
+    ref = torch.empty(N, dtype=torch.float32, device=dev) if ref is None else ref[:N]
+    rho = torch.empty(N, dtype=torch.float32, device=dev) if rho is None else rho[:N]
+    b_arg = weight if bias is None else bias
+    tensors = (hidden2d, weight, b_arg, labels1d, ref)
+    key = ("label_ref", dev, N, V, H, hidden2d.stride(), weight.stride(), bias is None, opts.inv_temp,
+           *state_key(), *tensors_key(tensors))
+    cached_launch(key, lambda: _label_ref_launch(tensors, N, V, H, bias is not None, opts))(*tensors)
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
-                                        pick_label=True, e_out=(dl, mt))
-    tensors = (dl, mt, labels1d, lse, logprob, scale)
-    key = ("fixup", dl.device, N, V, dl.stride(0), mt.stride(0), cfg.block_n, opts, *state_key(),
-           *tensors_key(tensors))
-    cached_launch(key, lambda: _fixup_launch(tensors, N, V, cfg.block_n, opts))(*tensors)
-    return loss
+                                        pick_label=True, e_out=(dl, ref))
+    tensors = (dl, rho, ref, labels1d, lse, logprob, scale)
+    # Keyed by the scalars they take, not the call's options: no operand of these launches has a memory path.
+    scalars = (opts.ignore_index, float(opts.z_loss), opts.inv_temp)
+    key = ("rowscale", dev, N, V, dl.stride(0), scalars, *state_key(), *tensors_key(tensors))
+    cached_launch(key, lambda: _rowscale_launch(tensors, N, V, opts))(*tensors)
+    tensors = (hidden2d, weight, b_arg, dl, ref, labels1d, lse, logprob, scale)
+    key = ("flagged_rows", dev, N, V, H, hidden2d.stride(), weight.stride(), dl.stride(0), bias is None,
+           cfg.block_k, scalars, *state_key(), *tensors_key(tensors))
+    cached_launch(key, lambda: _rows_launch(tensors, N, V, H, bias is not None, cfg.block_k, opts))(*tensors)
+    return loss, rho
 
 
-def _fixup_launch(tensors, N: int, V: int, fwd_block_v: int, opts: LceOptions):
-    """:func:`cached_launch`'s build of the in-place ``lce_sft_fixup_kernel`` (exponentials of vocab tiles
-    ``fwd_block_v`` wide)."""
-    dl, mt = tensors[:2]
-    bn, bv = _FIXUP_BLOCKS_INTERPRETED if _tma.interpreter_active() else _FIXUP_BLOCKS
-    bv = min(bv, fwd_block_v)
-    d = _tma.decide(opts.tma, {"dlogits": (dl, (bn, bv))}, op=_SFT_OP, auto_pointer=_FIXUP_POINTER, record=False)
-    launch = Launch(lce_sft_fixup_kernel, (cdiv(N, bn), cdiv(V, bv)), *tensors, N, V, dl.stride(0), mt.stride(0),
-                    *_sft_scalars(opts), opts.inv_temp, BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_block_v,
-                    D_TMA=d["dlogits"], num_warps=DLOGITS_WARPS)
-    return launch, d
+def _label_ref_launch(tensors, N: int, V: int, H: int, has_bias: bool, opts: LceOptions):
+    """:func:`cached_launch`'s build of ``lce_label_logit_kernel`` writing the reference logits of
+    :func:`_forward_exp` (the label's logit; 0 at ignored tokens)."""
+    h, w = tensors[:2]
+    return Launch(lce_label_logit_kernel, (cdiv(N, _ROW_BLOCK),), *tensors, N, V, H, h.stride(0), h.stride(1),
+                  w.stride(0), w.stride(1), 1.0, opts.inv_temp, BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K,
+                  HAS_BIAS=has_bias, SOFTCAP=False), None
+
+
+def _rowscale_launch(tensors, N: int, V: int, opts: LceOptions):
+    """:func:`cached_launch`'s build of ``lce_sft_rowscale_kernel``."""
+    return Launch(lce_sft_rowscale_kernel, (cdiv(N, _ROWSCALE_BLOCK),), *tensors, N, V, tensors[0].stride(0),
+                  opts.ignore_index, float(opts.z_loss), opts.inv_temp, BLOCK=_ROWSCALE_BLOCK, E_OFFSET=E_OFFSET,
+                  E_CLAMP=E_CLAMP), None
+
+
+def _rows_launch(tensors, N: int, V: int, H: int, has_bias: bool, block_k: int, opts: LceOptions):
+    """:func:`cached_launch`'s build of ``lce_sft_rows_kernel`` (pointer loads: a rare path) with the forward's K
+    step ``block_k``: its logits are then the forward's own, whose LSE it takes (a logit of ~500 summed in another
+    order would differ by ~1e-5, and its p by as much relatively)."""
+    h, w, _, dl = tensors[:4]
+    bn, bv = _ROWS_TILES_INTERPRETED if _tma.interpreter_active() else _ROWS_TILES
+    bk = block_k
+    return Launch(lce_sft_rows_kernel, (cdiv(N, bn), cdiv(V, bv)), *tensors, N, V, H, h.stride(0), h.stride(1),
+                  w.stride(0), w.stride(1), dl.stride(0), opts.ignore_index, float(opts.z_loss), opts.inv_temp,
+                  BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, HAS_BIAS=has_bias, DOT_PRECISION=dot_precision(h.dtype),
+                  E_OFFSET=E_OFFSET, E_CLAMP=E_CLAMP), None
+
+
+def _row_scaled(x: torch.Tensor, rho: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """round(rho[:, None] * x) in x's dtype (fp32 product, one rounding): one launch of ``lce_row_scale_kernel``
+    into ``out`` (an [N, H] tensor with unit column stride) or a new contiguous tensor."""
+    N, H = x.shape
+    out = torch.empty((N, H), dtype=x.dtype, device=x.device) if out is None else out
+    if N and H:
+        bn, bh = _SCALE_TILES
+        tensors = (x, rho, out)
+        key = ("row_scale", x.device, N, H, x.stride(), out.stride(0), *state_key(), *tensors_key(tensors))
+        cached_launch(key, lambda: (Launch(lce_row_scale_kernel, (cdiv(N, bn), cdiv(H, bh)), *tensors, N, H,
+                                           x.stride(0), x.stride(1), out.stride(0), BLOCK_N=bn, BLOCK_H=bh),
+                                    None))(*tensors)
+    return out
+
+
+def _weighted_cols(dl: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """fp32 [V]: sum over rows n of rho[n] * dl[n, :] (the d_bias sum of a row-scaled d(logits)). 16-bit ``dl``:
+    one GEMM with fp32 accumulation against rho split into two 16-bit rows (hi + lo carries rho to ~2^-17)."""
+    if dl.dtype == torch.float32:
+        return rho @ dl
+    hi = rho.to(dl.dtype)
+    two = torch.stack((hi, (rho - hi.float()).to(dl.dtype)))
+    acc = torch.empty((2, dl.shape[1]), dtype=torch.float32, device=dl.device)
+    _acc_mm_f32(acc, two, dl, beta=0)
+    return acc.sum(0)
 
 
 class DwTiles(NamedTuple):
@@ -580,19 +645,28 @@ def _scaled(acc: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tens
 
 def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits: torch.Tensor, g: torch.Tensor,
                      *, need_hidden_grad: bool = True, need_weight_grad: bool = True, tma: str = "auto",
-                     hidden_grad_out: torch.Tensor | None = None):
+                     hidden_grad_out: torch.Tensor | None = None, rho: torch.Tensor | None = None):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` of the 3-pass path in the inputs' dtype, from
     the forward's ``dlogits`` (:func:`lce_sft_forward`) and the 0-dim upstream gradient ``g`` of its loss (read on
     the device); ``tma``: the call's memory-path mode. Each gradient is one fp32-accumulating GEMM over its whole K dim, times g in fp32, rounded once:
     d_hidden through cuBLAS (fp32 output, then g), d_weight of 16-bit inputs in ``lce_dweight_kernel`` (g applied
     in its epilogue), of fp32 inputs through cuBLAS in vocab slices. ``hidden_grad_out``: an [N, H] tensor in the
-    inputs' dtype that receives d_hidden (rows of a larger gradient, say), else a new one.
-    Extra memory: fp32 [N, H] for d_hidden (and for fp32 inputs one fp32 d_weight slice, ``DW_SLICE_BUDGET``)."""
+    inputs' dtype that receives d_hidden (rows of a larger gradient, say), else a new one. ``rho``: fp32 [N] row
+    factors of d(logits) = rho[:, None] * dlogits (:func:`lce_sft_forward`; None or empty: none), applied to the
+    GEMMs' small operands and results: d_hidden = round((g rho)[:, None] * (dlogits @ w)) from the fp32 product,
+    d_weight = round(g * (dlogits^T @ round(rho[:, None] * h))) (h's rows scaled in fp32 and rounded once to the
+    inputs' dtype, the same relative error as dlogits' own rounding), d_bias from fp32 sums.
+    Extra memory: fp32 [N, H] for d_hidden (and for fp32 inputs one fp32 d_weight slice, ``DW_SLICE_BUDGET``), and
+    with ``rho`` the scaled hidden states ([N, H], the inputs' dtype)."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
     dl = dlogits[:, :V]
     g = g.to(device=dev, dtype=torch.float32)
+    if rho is not None and rho.numel() == 0:
+        rho = None
+    # The factor of d_hidden's fp32 rows: g, or g times each row's factor ([N, 1]).
+    g_rows = g if rho is None else (rho * g)[:, None]
     d_h = None
     if need_hidden_grad:
         d_h = torch.empty((N, H), dtype=dt, device=dev) if hidden_grad_out is None else hidden_grad_out
@@ -600,7 +674,7 @@ def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits
     d_b = None
     if bias is not None:
         d_b = torch.empty(V, dtype=bias.dtype, device=dev)
-        _scaled(dl.sum(0, dtype=torch.float32), g, d_b)
+        _scaled(dl.sum(0, dtype=torch.float32) if rho is None or N == 0 else _weighted_cols(dl, rho), g, d_b)
     if N == 0:
         return tuple(t.zero_() if t is not None else None for t in (d_h, d_w, d_b))
     if need_hidden_grad:
@@ -610,16 +684,18 @@ def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits
         step = V if fast_mm_f32(dl) else _slice_rows(V, N)
         for v0 in range(0, V, step):
             _acc_mm_f32(acc, dl[:, v0:v0 + step], weight[v0:v0 + step], beta=int(v0 > 0))
-        _scaled(acc, g, d_h)
+        _scaled(acc, g_rows, d_h)
+        del acc  # its memory serves the scaled hidden states
+    h_w = hidden2d if rho is None or not need_weight_grad else _row_scaled(hidden2d, rho)
     if need_weight_grad and dt != torch.float32:
-        _dweight(dl, hidden2d, g.reshape(1), d_w, tma)
+        _dweight(dl, h_w, g.reshape(1), d_w, tma)
     elif need_weight_grad:
         rows = _slice_rows(V, H)
         acc = torch.empty((min(rows, V), H), dtype=torch.float32, device=dev)
         for v0 in range(0, V, rows):
             n = min(rows, V - v0)
             # d_weight rows of this slice: one GEMM over all N tokens (K = N), fp32 out, then g and one rounding.
-            _acc_mm_f32(acc[:n], dl[:, v0:v0 + n].t(), hidden2d, beta=0)
+            _acc_mm_f32(acc[:n], dl[:, v0:v0 + n].t(), h_w, beta=0)
             _scaled(acc[:n], g, d_w[v0:v0 + n])
     return d_h, d_w, d_b
 
@@ -662,7 +738,9 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
         scratch = torch.empty((C, ld), dtype=f32, device=dev)
     else:
         cfg = config or store_e_config(pick_config("forward", dt, C, H, dev), dt, dev)
-        scratch = torch.empty((C, cdiv(V, cfg.block_n)), dtype=f32, device=dev)
+        scratch = torch.empty((2, C), dtype=f32, device=dev)  # the reference logits and the row factors
+        # The chunk's hidden rows scaled by its row factors: the d_weight GEMM's operand.
+        h_w = torch.empty((C, H), dtype=dt, device=dev) if need_weight_grad else None
     # fp32 rows of d_hidden where cuBLAS returns 16-bit inputs' products in fp32: one rounding into d_h.
     acc_h = torch.empty((C, H), dtype=f32, device=dev) if need_hidden_grad and dt != f32 else None
     losses = []
@@ -671,24 +749,33 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
         h_c, lab, dl_c = hidden2d[c0:c0 + rows], labels1d[c0:c0 + rows], dl[:rows]
         if logits:
             losses.append(_forward_logits(h_c, weight, lab, bias, opts, dl_c, scale, cfg, z=scratch[:rows]))
+            rho = None
         else:
-            losses.append(_forward_exp(h_c, weight, lab, bias, opts, dl_c, scale, cfg, mt=scratch[:rows]))
+            loss, rho = _forward_exp(h_c, weight, lab, bias, opts, dl_c, scale, cfg, ref=scratch[0], rho=scratch[1])
+            losses.append(loss)
+            if need_weight_grad:
+                h_c = _row_scaled(h_c, rho, h_w[:rows])
         d = dl_c[:, :V]
         if need_hidden_grad and acc_h is None:
             torch.mm(d, weight, out=d_h[c0:c0 + rows])
+            if rho is not None:
+                d_h[c0:c0 + rows].mul_(rho[:, None])
         elif need_hidden_grad:
             # One GEMM over all V columns where cuBLAS returns 16-bit products in fp32; otherwise vocab slices bound
             # the fp32 copies of the operands that the fallback makes.
             step = V if fast_mm_f32(d) else _slice_rows(V, rows)
             for v0 in range(0, V, step):
                 _acc_mm_f32(acc_h[:rows], d[:, v0:v0 + step], weight[v0:v0 + step], beta=int(v0 > 0))
-            d_h[c0:c0 + rows].copy_(acc_h[:rows])
+            if rho is None:
+                d_h[c0:c0 + rows].copy_(acc_h[:rows])
+            else:
+                torch.mul(acc_h[:rows], rho[:, None], out=d_h[c0:c0 + rows])
         if split:
             _dweight(d, h_c, scale, d_w, opts.tma, lo=lo, accumulate=c0 > 0)
         elif need_weight_grad:
             _acc_mm_f32(d_w, d.t(), h_c, beta=int(c0 > 0))
         if bias is not None:
-            d_b += d.sum(0, dtype=f32)
+            d_b += d.sum(0, dtype=f32) if rho is None else _weighted_cols(d, rho)
     return loss_total(_joined(losses), scale)[0], d_h, d_w, lo, d_b
 
 
