@@ -71,18 +71,23 @@ def _sft_path_ran(mode):
     return expect_path(mode, sft=True)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CASES, **IDS)
-def test_3pass_fp32_matches_reference_and_4pass(case, mode):
-    """fp32 loss and d_hidden, d_weight, d_bias of the 3-pass path match fp64 to ~1e-5 and the 4-pass path's to fp32
-    summation order (upstream grad in [0.5, 1.5), so never 1)."""
-    inp, ups = case.inputs(), case.ups()
+def _check_3pass_vs_reference_and_4pass(case, mode, inp, ups):
+    """fp32 loss and grads of the 3-pass path against fp64 (check_fp32) and the 4-pass path's to summation order."""
     (loss,), grads = check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE),
                                 case.fn(ref.linear_cross_entropy), inp, ups, path=dict(sft=True))
     with expect_path(mode, sft=False):
         (loss4,), grads4 = run(case.fn(lce.linear_cross_entropy, tma=mode, **FOUR), inp, ups)
     assert_close(loss, loss4, SAME_ORDER_RTOL, "loss")
     check_grads(grads, grads4, SAME_ORDER_RTOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES, **IDS)
+def test_3pass_fp32_matches_reference_and_4pass(case, mode):
+    """fp32 loss and d_hidden, d_weight, d_bias of the 3-pass path match fp64 to ~1e-5 and the 4-pass path's to fp32
+    summation order (upstream grad in [0.5, 1.5), so never 1)."""
+    inp, ups = case.inputs(), case.ups()
+    _check_3pass_vs_reference_and_4pass(case, mode, inp, ups)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -393,12 +398,7 @@ def test_3pass_far_labels(mode, reduction):
     assert flagged.sum() >= 3 and (inp.kept & ~flagged).sum() >= 3, "the batch must mix flagged and plain rows"
     assert (~inp.kept & far).any(), "an ignored row with far logits"
     ups = case.ups()
-    (loss,), grads = check_fp32(mode, case.fn(lce.linear_cross_entropy, tma=mode, **THREE),
-                                case.fn(ref.linear_cross_entropy), inp, ups, path=dict(sft=True))
-    with expect_path(mode, sft=False):
-        (loss4,), grads4 = run(case.fn(lce.linear_cross_entropy, tma=mode, **FOUR), inp, ups)
-    assert_close(loss, loss4, SAME_ORDER_RTOL, "loss")
-    check_grads(grads, grads4, SAME_ORDER_RTOL)
+    _check_3pass_vs_reference_and_4pass(case, mode, inp, ups)
 
 
 def test_3pass_row_factors():
