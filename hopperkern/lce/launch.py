@@ -242,7 +242,7 @@ class _ForwardPlan(Plan):
     decision, vocab splits, and the three launches (label logit when not picked, forward, combine)."""
 
     __slots__ = ("decision", "stat_rows", "stat_at", "stat_bytes", "direct_layout", "need_t", "need_sumz", "label",
-                 "forward", "combine", "num_vt")
+                 "forward", "combine", "num_vt", "zl_is_ref")
 
 
 _FORWARD_PLANS = PlanCache("lce.forward")
@@ -329,6 +329,9 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         )
     z_arg, mt_arg = _store_args(z_out, e_out) or (one, one)
     e_ref = store_e and mt_arg.dim() == 1
+    # With E_REF and a label launch of its own, the label's logit is the reference itself: the label launch writes
+    # the caller's ref row, which the forward and the combine then read as their zl row.
+    plan.zl_is_ref = e_ref and plan.label is not None
     plan.forward = Launch(
         lce_forward_kernel, (cdiv(N, cfg.block_m) * S,),
         hidden2d, weight, b_arg, labels1d, one, one, one, one, one, z_arg, mt_arg,
@@ -390,7 +393,9 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     row's running max after each vocab tile of the config's ``block_n`` columns, written to the fp32 [N, >= that
     many tiles] ``mt`` (see ``lce_forward_kernel``'s STORE_E); or ``(e, ref)`` with ref an fp32 [>= N] of
     reference logits r read by the forward, when e receives exp(z - c) with c = r + ``E_OFFSET``, z - c clamped
-    to ``E_CLAMP`` (STORE_E with E_REF).
+    to ``E_CLAMP`` (STORE_E with E_REF). Where a label launch of its own runs (:func:`label_by_mma`), that launch
+    writes ref (the label's logit, 0 at ignored tokens) before the forward reads it; elsewhere ref must be filled
+    by the caller.
 
     The config, TMA decision and launches come from a cached plan (:func:`forward_plan_for`).
     """
@@ -421,6 +426,8 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
             if out is not None:
                 return out
     m, s, t, sumz, zl = _stats(plan, N, dev)
+    if plan.zl_is_ref:
+        zl = store[1]
     if plan.label is not None:
         plan.label(hidden2d, weight, b_arg, labels1d, zl)
     plan.forward(hidden2d, weight, b_arg, labels1d, m, s, t, sumz, zl, *(store or (m, m)))
@@ -485,6 +492,8 @@ def _forward_direct(plan: _ForwardPlan, stream: int, hidden2d, weight, b_arg, la
     its tensors (the caller then runs the whole forward again the usual way: it recomputes every statistic)."""
     base, held, scratch = _direct_allocation(plan, hidden2d.device)  # held until every launch is enqueued
     m, s, t, sumz, zl = (base + offset for offset in plan.stat_at[:5])
+    if plan.zl_is_ref:
+        zl = store[1]
     if not _forward_launches(plan, stream, hidden2d, weight, b_arg, labels1d, store, m, s, t, sumz, zl, scratch):
         return None
     out = _outputs(hidden2d.shape[0], hidden2d.device, shared_out)

@@ -437,8 +437,9 @@ def _dlogits_launch(tensors, rows: int, V: int, opts: LceOptions):
 def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, ref=None, rho=None):
     """``(loss, rho)``: the per-token losses (fp32 [N]) and the row factors (fp32 [N]), with ``dl`` holding e' such
     that d(logits) = rho[:, None] * e' (bf16 or fp32, no softcap, no label smoothing). One forward over all tokens
-    that stores e = exp(z - c) per row reference c (``e_out=(dl, ref)``, see ``lce_forward_kernel``'s E_REF), the
-    label's logit from an O(N H) fp32 dot before it; then ``lce_sft_rowscale_kernel`` (O(N): the factors and the
+    that stores e = exp(z - c) per row reference c (``e_out=(dl, ref)``, see ``lce_forward_kernel``'s E_REF), r the
+    label's logit: from the forward's own label launch where it has one (:func:`.launch.label_by_mma`), else from
+    an O(N H) fp32 dot before it; then ``lce_sft_rowscale_kernel`` (O(N): the factors and the
     label entries) and ``lce_sft_rows_kernel`` (the rows whose logits lie too far above their label's, if any).
     ``ref``, ``rho``: fp32 [>= N] buffers, else new ones."""
     N, H = hidden2d.shape
@@ -448,10 +449,11 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
     ref = torch.empty(N, dtype=torch.float32, device=dev) if ref is None else ref[:N]
     rho = torch.empty(N, dtype=torch.float32, device=dev) if rho is None else rho[:N]
     b_arg = weight if bias is None else bias
-    tensors = (hidden2d, weight, b_arg, labels1d, ref)
-    key = ("label_ref", dev, N, V, H, hidden2d.stride(), weight.stride(), bias is None, opts.inv_temp,
-           *state_key(), *tensors_key(tensors))
-    cached_launch(key, lambda: _label_ref_launch(tensors, N, V, H, bias is not None, opts))(*tensors)
+    if not label_by_mma(hidden2d.dtype, dev, cfg):  # else the forward's own label launch writes ref
+        tensors = (hidden2d, weight, b_arg, labels1d, ref)
+        key = ("label_ref", dev, N, V, H, hidden2d.stride(), weight.stride(), bias is None, opts.inv_temp,
+               *state_key(), *tensors_key(tensors))
+        cached_launch(key, lambda: _label_ref_launch(tensors, N, V, H, bias is not None, opts))(*tensors)
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
                                         pick_label=True, e_out=(dl, ref))
     tensors = (dl, rho, ref, labels1d, lse, logprob, scale)
