@@ -103,9 +103,12 @@ def lce_forward_kernel(
     STORE_E with E_REF (the 3-pass SFT path without softcap): e = exp(z - c) with one reference c = r + E_OFFSET per
     row known before the forward (r: the label's logit), so that p = e exp(c - lse) with ONE factor per row and
     d(logits) is a row scaling of e that the gradient GEMMs can apply to their small operands
-    (:mod:`hopperkern.lce.sft`). Formed as e exp(m - c) from the running sum's own exponentials (one multiply,
-    no second exp), with m - c clamped to E_CLAMP: every stored value stays finite (at most exp(E_CLAMP)), and a
-    row whose logits exceed c + E_CLAMP (the caller flags it from its LSE) is formed again by other means.
+    (:mod:`hopperkern.lce.sft`). The running sum itself takes r = max(c, m - E_CLAMP) as its reference in place
+    of the running max m, so the exponentials it sums are the stored ones (no second exp, no rescaling): r = c
+    on every row whose logits stay within c + E_CLAMP, and every stored value stays finite (at most
+    exp(E_CLAMP)); a row whose logits exceed c + E_CLAMP (the caller flags it from its LSE) is formed again by
+    other means. The statistics then hold r for m (lse = r + log s); s > 0 on every kept row with a label in
+    [0, V), since its largest logit M gives exp(M - r) >= exp(-E_OFFSET).
     """
     tl.static_assert(not (STORE_Z and STORE_E), "one of STORE_Z and STORE_E")
     pid = tl.program_id(0)
@@ -150,19 +153,17 @@ def lce_forward_kernel(
             zv = tl.where(col_ok, z, 0.0)
         else:
             zv = z
-        m_new = tl.maximum(m, tl.max(z, 1))
+        if E_REF:
+            m_new = tl.maximum(m, tl.maximum(tl.max(z, 1) - E_CLAMP, c_ref))  # the sum's reference r, see above
+        else:
+            m_new = tl.maximum(m, tl.max(z, 1))
         alpha = tl.exp(m - m_new)
         e = tl.exp(z - m_new[:, None])
         s = s * alpha + tl.sum(e, 1)
         if STORE_E:
             # Columns >= V (e = 0 there) and rows >= N are clipped by the store on both paths.
-            if E_REF:
-                e_c = e * tl.exp(tl.minimum(m_new - c_ref, E_CLAMP))[:, None]
-                store_2d(e_dst, e_c.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V,
-                         E_TMA)
-            else:
-                store_2d(e_dst, e.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V,
-                         E_TMA)
+            store_2d(e_dst, e.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, E_TMA)
+            if not E_REF:
                 tl.store(mt_ptr + rows.to(tl.int64) * stride_mt + vt, m_new, mask=row_ok)
         if NEED_T:
             t = t * alpha + tl.sum(e * zv, 1)
