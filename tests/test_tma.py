@@ -13,7 +13,7 @@ import triton.language as tl
 from conftest import DEVICE, HAS_CUDA
 
 from hopperkern import tma
-from hopperkern.tma.jit import load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
+from hopperkern.tma.jit import load_2d, load_3d, load_rows, log_approx, store_2d, tile_source_2d, tile_source_3d
 
 # `hopperkern.tma.capability` is the function (re-exported); the module lives in sys.modules.
 capmod = importlib.import_module("hopperkern.tma.capability")
@@ -526,3 +526,48 @@ def test_zero_size_matmul_with_tma_always(shape):
 def test_torch_mm_out_dtype_probe_is_a_bool():
     """The out_dtype probe (fp32 d_hidden accumulation in the LCE backward) answers without raising."""
     assert tma.torch_mm_out_dtype() in (True, False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Approximate math (log_approx)
+
+
+@triton.jit
+def _log_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, APPROX: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
+    tl.store(y_ptr + offs, log_approx(x, APPROX), mask=offs < n)
+
+
+def _log_inputs(device):
+    """Positive fp32 values over the whole range: subnormals, the bf16 values near 1, and large ones."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.exp2(torch.empty(4096).uniform_(-149, 127, generator=gen))
+    near_one = 1.0 + torch.linspace(-0.25, 0.25, 1001)
+    special = torch.tensor([1.0, 2.0, 0.5, 1e-45, 1.17e-38, 3.4e38, torch.finfo(torch.bfloat16).tiny])
+    return torch.cat([wide, near_one, special]).float().to(device)
+
+
+def test_ptx_approx_math_is_off_under_the_interpreter(monkeypatch):
+    """The interpreter runs no inline assembly: launchers are told to use tl.log there."""
+    monkeypatch.setattr(capmod, "interpreter_active", lambda: True)
+    assert tma.ptx_approx_math() is False
+
+
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_log_approx_matches_fp64(backend):
+    """log_approx against fp64 log: exact to fp32 rounding without APPROX; within 2^-21 absolute (plus one ulp of
+    the result) with APPROX on a GPU, subnormal inputs included."""
+    if backend == "gpu" and not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    device = DEVICE if backend == "here" else "cuda"
+    x = _log_inputs(device)
+    want = torch.log(x.double())
+    modes = [False] + ([True] if backend == "gpu" and tma.ptx_approx_math() else [])
+    assert backend == "here" or modes == [False, True], "a GPU must run the approximate path"
+    for approx in modes:
+        y = torch.empty_like(x)
+        _log_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), BLOCK=256, APPROX=approx)
+        err = (y.double() - want).abs()
+        bound = (2.0 ** -21 if approx else 0.0) + want.abs() * 2.0 ** -23 + 1e-30
+        assert bool((err <= bound * 1.0001 + 2.0 ** -24).all()), (approx, err.max().item())

@@ -11,7 +11,7 @@ take a descriptor or a pointer depending on a ``*_TMA`` constexpr.
 import triton
 import triton.language as tl
 
-from ..tma.jit import grouped_tile, load_2d, load_rows, store_2d, tile_source_2d
+from ..tma.jit import grouped_tile, load_2d, load_rows, log_approx, store_2d, tile_source_2d
 
 
 @triton.jit
@@ -640,7 +640,7 @@ def lce_exp_dlogits_kernel(
     N, V, stride_dn, stride_on, stride_mt, ignore_index, label_smoothing, z_loss, inv_temp,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, FWD_BLOCK_V: tl.constexpr,
     HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
-    D_TMA: tl.constexpr,
+    D_TMA: tl.constexpr, APPROX_MATH: tl.constexpr = False,
 ):
     """d(logits) under per-token upstream gradients from the forward's stored exponentials, in place or into
     ``out``: the 3-pass path of per-token outputs (log-probs and entropies, :mod:`hopperkern.lce.rl`). Grid (cdiv(N, BLOCK_N),
@@ -652,7 +652,9 @@ def lce_exp_dlogits_kernel(
     logit whose e underflowed to 0 has p = 0 and contributes nothing), rounded once. At the label, p and z come
     from the forward's fp32 log-prob, as in lce_onehot_kernel, so that p - 1 of a confident prediction keeps its
     precision. A token whose LSE is NaN (an out-of-range label) gets a NaN row. No softcap: its tanh factor needs
-    each logit to more than e's precision.
+    each logit to more than e's precision. APPROX_MATH (on a GPU): log e through
+    :func:`~hopperkern.tma.jit.log_approx`, whose error (< 2^-22 in log2) is far below that of the stored e
+    (2^-9 in bf16), and which costs one special-function instruction an element instead of about twenty.
     """
     tl.static_assert(FWD_BLOCK_V % BLOCK_V == 0, "a d(logits) tile must lie within one forward vocab tile")
     row0 = tl.program_id(0) * BLOCK_N
@@ -671,7 +673,7 @@ def lce_exp_dlogits_kernel(
     p = tl.where(at_label, tl.exp(logp)[:, None], e * tl.exp(mt - lse)[:, None])
     coef = a[:, None]
     if HAS_GE:
-        z = tl.where(e > 0.0, mt[:, None] + tl.log(tl.where(e > 0.0, e, 1.0)), 0.0)
+        z = tl.where(e > 0.0, mt[:, None] + log_approx(tl.where(e > 0.0, e, 1.0), APPROX_MATH), 0.0)
         z = tl.where(at_label, (logp + lse)[:, None], z)
         coef = coef + b[:, None] * z
     dz = (p * coef + d[:, None] + tl.where(at_label, c[:, None], 0.0)) * inv_temp

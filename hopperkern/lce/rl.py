@@ -275,7 +275,7 @@ def _exp_dlogits_launch(tensors, N: int, V: int, flags: tuple, opts: LceOptions)
                     mt.stride(0), opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), opts.inv_temp,
                     BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv,
                     **dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), flags)), D_TMA=d["dlogits"],
-                    num_warps=_sft.DLOGITS_WARPS)
+                    APPROX_MATH=_tma.ptx_approx_math(), num_warps=_sft.DLOGITS_WARPS)
     return launch, d
 
 

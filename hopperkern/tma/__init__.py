@@ -16,6 +16,7 @@ from .capability import (
     interpreter_problems,
     launch_context,
     normalize_device_name,
+    ptx_approx_math,
     torch_mm_out_dtype,
 )
 from .launcher import clear_plans
@@ -51,6 +52,7 @@ __all__ = [
     "make_descriptor",
     "record_decision",
     "normalize_device_name",
+    "ptx_approx_math",
     "resolve_mode",
     "tma_not_supported_reasons",
     "torch_mm_out_dtype",

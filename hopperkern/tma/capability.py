@@ -38,6 +38,7 @@ __all__ = [
     "known_sm_count",
     "launch_context",
     "nvidia_driver_version",
+    "ptx_approx_math",
     "require_triton",
     "torch_mm_out_dtype",
 ]
@@ -566,6 +567,18 @@ def check_interpreter(dtype, op: str) -> None:
             f"inputs to {name}); or run on a CUDA GPU without TRITON_INTERPRET; or call the plain-PyTorch references "
             "hopperkern.lce.reference / hopperkern.moe.reference, which run anywhere",
         ])
+
+
+def ptx_approx_math() -> bool:
+    """Whether kernels may use PTX's approximate transcendental instructions through inline assembly
+    (:func:`hopperkern.tma.jit.log_approx`): true on NVIDIA GPUs, false under Triton's CPU interpreter (which runs
+    no inline assembly) and on ROCm builds of torch. Launchers pass it as the kernels' ``APPROX_MATH`` constexpr,
+    so the interpreter runs the same body with ``tl.log``."""
+    if interpreter_active():
+        return False
+    import torch
+
+    return getattr(torch.version, "hip", None) is None
 
 
 def torch_mm_out_dtype(device=None, dtype=None) -> bool:

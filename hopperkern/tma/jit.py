@@ -17,7 +17,7 @@ try:  # tl.extra.cuda.gdc_* in chain_start; Capability.pdl is False where they a
 except ImportError:  # pragma: no cover - a Triton without the CUDA extras
     pass
 
-__all__ = ["chain_start", "grouped_tile", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d",
+__all__ = ["chain_start", "grouped_tile", "log_approx", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d",
            "store_3d", "load_rows"]
 
 
@@ -35,6 +35,20 @@ def chain_start(PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def log_approx(x, APPROX: tl.constexpr):
+    """Natural logarithm of fp32 ``x``. With APPROX (:func:`hopperkern.tma.ptx_approx_math`: a GPU), one
+    ``lg2.approx.f32`` (the special-function unit; absolute error at most 2^-22 in log2 x, subnormals kept) times
+    ln 2, in place of ``tl.log``'s libdevice polynomial (about twenty instructions an element), for element-wise
+    passes whose inputs carry far more error than that (exponentials stored in bf16). Without APPROX, ``tl.log``:
+    the interpreter runs no inline assembly."""
+    if APPROX:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1) * 0.6931471805599453
+    else:
+        return tl.log(x)
 
 
 @triton.jit
