@@ -433,6 +433,25 @@ def test_bf16_rl_paths_confident(shape):
     _rl_paths_no_worse(inp, ups, "always", baseline_max=CONFIDENT_BASELINE_MAX, out_atol=CONFIDENT_LOSS_ATOL)
 
 
+def test_bf16_rl_3pass_wide_logits():
+    """Logits of std 40 (over +-150) put many stored exponentials below fp32's smallest normal (logits 87 to 92 under
+    their tile's running max: bf16 subnormals). The 3-pass path's log-probs, entropies and gradients stay finite and
+    agree with the 4-pass path's (which recomputes the logits) to a few bf16 roundings, and neither is further from
+    fp64 than twice the other plus one bf16 rounding."""
+    inp = make_inputs((512, 32000, 1024), torch.bfloat16, device=DEV, ignore=0.1, logit_std=40.0)
+    ups = [upstream((512,), seed=2, device=DEV), upstream((512,), seed=3, device=DEV)]
+    want = run(call(ref.linear_logprobs_entropy), inp, ups, dtype=torch.float64)
+    got = {}
+    for path in ("3pass", "4pass"):
+        with expect_path("always", sft=False, rl=path == "3pass"):
+            got[path] = run(call(lce.linear_logprobs_entropy, grad_path=path, tma="always"), inp, ups)
+    for name, i, j in (("logprob", 0, 0), ("entropy", 0, 1), ("d_hidden", 1, 0), ("d_weight", 1, 1)):
+        a, b, w = got["3pass"][i][j], got["4pass"][i][j], want[i][j]
+        assert torch.isfinite(a).all(), f"{name}: the 3-pass path gave non-finite values"
+        assert rel_err(a, b) < 5e-3, f"{name}: 3pass vs 4pass {rel_err(a, b):.2e}"
+        assert rel_err(a, w) <= 2 * rel_err(b, w) + 4e-3, f"{name}: {rel_err(a, w):.2e} vs 4pass {rel_err(b, w):.2e}"
+
+
 def test_rl_3pass_memory_within_its_budget():
     """The 3-pass log-prob forward + backward at 8192 x 4096 x 128256 (the rule's choice there) stays within its
     documented extra memory, N x V x 2 + scratch <= V x H x 4 + 512 MiB (plus the bf16 grads)."""

@@ -331,7 +331,9 @@ def test_auto_path_follows_the_memory_rule(monkeypatch):
     (32768, 4096, 128256, torch.bfloat16, False),  # 7.8 GiB: over the budget
     (1937, 3584, 152064, torch.bfloat16, True),
     (1024, 3584, 152064, torch.bfloat16, False),  # below MIN_TOKENS_3PASS
-    (2169, 896, 151936, torch.bfloat16, False),  # below MIN_HIDDEN_3PASS: the recomputed logits cost less
+    (2169, 896, 151936, torch.bfloat16, True),  # MIN_HIDDEN_3PASS: 659 MB of exponentials within 1.08 GB
+    (4096, 896, 151936, torch.bfloat16, False),  # 1.25 GB: over the budget (and no mixed path below 2048)
+    (2169, 640, 151936, torch.bfloat16, False),  # below MIN_HIDDEN_3PASS
     (8192, 4096, 128256, torch.float32, False),  # 3.9 GiB of fp32 exponentials: over the budget
     (2048, 4096, 128256, torch.float32, True),
 ])
@@ -342,6 +344,8 @@ def test_memory_rule_on_real_shapes(N, H, V, dtype, three):
     assert rl.use_3pass("auto", N, V, H, dtype) is three
     assert three is (N >= sft.MIN_TOKENS_3PASS and H >= rl.MIN_HIDDEN_3PASS
                      and rl.extra_bytes(N, V, H, elem) <= sft.budget_bytes(V, H))
+    if not three and H < rl.MIN_HIDDEN_MIXED:
+        assert rl.stored_rows("auto", N, V, H, dtype) == 0  # no mixed path there either
     # the kept exponentials, the larger of the per-tile maxima and the backward's fp32 scratch, and the maxima
     # once more (they stay beside the backward's fp32 d_hidden)
     tiles = N * -(-V // 64) * 4
@@ -555,7 +559,7 @@ def test_stored_rows_rule(N, H, V):
     assert rl.stored_rows("3pass", N, V, H, bf16) == N
     assert rl.stored_rows("4pass", N, V, H, bf16) == 0
     assert rl.stored_rows("auto", N, V, H, torch.float16) == 0
-    assert rl.stored_rows("auto", N, V, rl.MIN_HIDDEN_3PASS - 1, bf16) == 0
+    assert rl.stored_rows("auto", N, V, rl.MIN_HIDDEN_MIXED - 1, bf16) == 0
     assert rl.stored_rows("auto", 8192, 128256, 4096, bf16) == 8192  # the whole batch fits: the 3-pass path
 
 

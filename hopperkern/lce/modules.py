@@ -100,7 +100,7 @@ class LinearLogprobsEntropy(nn.Module):
     reference policy) the log-probs agree with a differentiable call's to fp32 rounding (~1e-6), not bit for bit.
     ``grad_path`` ("auto" | "3pass" | "4pass") is passed on: "auto" keeps the logits' exponentials from the forward
     for a backward of one streaming pass and two GEMMs (3 passes over the vocab) for bf16 and fp32 inputs from 1536
-    tokens and H = 2048 when N x V of them fit V x H x 4 bytes + 512 MiB, and recomputes the logits otherwise. That
+    tokens and H = 896 when N x V of them fit V x H x 4 bytes + 512 MiB, and recomputes the logits otherwise. That
     backward consumes what was kept: one backward per forward (``retain_graph=True`` reuse raises; "4pass" allows
     it). See :func:`hopperkern.lce.linear_logprobs_entropy`.
     """

@@ -27,7 +27,8 @@ hidden units (below it the recomputed logits cost less than the extra streaming)
 kept N x V buffer, the per-tile maxima, the backward's fp32 d_hidden) is at most :func:`.sft.budget_bytes` =
 V x H x 4 bytes + 512 MiB: the SFT path's memory budget.
 
-The mixed path (:func:`stored_rows`; "auto" only): where the whole batch's exponentials exceed that budget, the
+The mixed path (:func:`stored_rows`; "auto" only, from ``MIN_HIDDEN_MIXED`` hidden units): where the whole batch's
+exponentials exceed that budget, the
 first S tokens (whole blocks of ``MIXED_ROW_STEP`` rows, at least ``MIN_STORED_ROWS``, as many as
 :func:`mixed_extra_bytes` lets fit the budget) take this path and the other N - S tokens the 4-pass path: two
 forwards (the first storing), then the S rows' d(logits) in place and their d_hidden rows in one GEMM, and the
@@ -50,18 +51,20 @@ from .launch import DLOGITS_BUDGET, LceOptions, _dw_rows, lce_backward, lce_forw
 from . import sft as _sft
 from .sft import budget_bytes, lce_sft_backward, padded_cols
 
-__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_TOKENS_NARROW_TILES", "MIXED_ROW_STEP", "MIN_STORED_ROWS",
+__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_HIDDEN_MIXED", "MIN_TOKENS_NARROW_TILES", "MIXED_ROW_STEP", "MIN_STORED_ROWS",
            "check_grad_path", "use_3pass", "stored_rows", "extra_bytes", "mixed_extra_bytes", "forward_config",
            "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
 
 GRAD_PATHS = ("auto", "3pass", "4pass")
 # "auto" takes the 3-pass path from this hidden size. It trades the backward's recomputed logits (2 N V H FLOPs)
-# for streaming the kept N x V buffer (written by the forward, read and rewritten by the backward), which only pays
-# where H is large enough. Measured on the H200 (bf16, benchmarks/bench_lce.py), forward + backward / 4G, 3-pass vs
-# 4-pass: 0.84 to 0.91 vs 1.08 to 1.11 at H = 4096, 3584 and 2304, 0.94 vs 1.17 at 1937 x 3584 x 152064, but
-# 1.16 vs 1.16 at 2169 x 896 x 151936. Between 896 and 2304 nothing was measured: the threshold keeps the 4-pass
-# path there.
-MIN_HIDDEN_3PASS = 2048
+# for streaming the kept N x V buffer (written by the forward, read and rewritten by the backward), which pays
+# more the larger H is. Measured on the H200 (bf16, benchmarks/bench_lce.py), forward + backward / 4G, 3-pass vs
+# 4-pass: 0.84 to 0.91 vs 1.08 to 1.11 at H = 4096, 3584 and 2304, 0.94 vs 1.17 at 1937 x 3584 x 152064. At
+# 2169 x 896 x 151936, with the pass over e taking its logarithm through lg2.approx (tma.jit.log_approx), 1.06 vs
+# 1.14 (H100, same run; 1.16 vs 1.16 on the H200 with libdevice's log). Below 896 nothing was measured.
+MIN_HIDDEN_3PASS = 896
+# The mixed path (stored_rows) was measured from H = 2304 only: below this it is not taken.
+MIN_HIDDEN_MIXED = 2048
 # The forward that stores its exponentials and entropy terms at 128 x 256 tiles spills 690-750 registers per
 # thread on sm_90 (benchmarks/compile_lce_sm90.py, store=et); 128 x 128 x 64 with 8 warps and 4 stages spills none.
 # Measured on the H200 (bf16, one run), forward + backward / 4G with those tiles instead of the tuned 128 x 256:
@@ -111,12 +114,12 @@ def use_3pass(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> boo
 def stored_rows(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> int:
     """How many leading tokens of a differentiable call keep their exponentials (0: the 4-pass path for all): N
     where :func:`use_3pass` says so; under ``"auto"``, where the whole batch's exponentials exceed the budget but
-    the thresholds hold, the most rows (a multiple of ``MIXED_ROW_STEP``, at least ``MIN_STORED_ROWS``) whose
+    the thresholds hold (``MIN_HIDDEN_MIXED`` in place of ``MIN_HIDDEN_3PASS``), the most rows (a multiple of ``MIXED_ROW_STEP``, at least ``MIN_STORED_ROWS``) whose
     :func:`mixed_extra_bytes` fit :func:`.sft.budget_bytes`: those take the 3-pass path and the other tokens the
     4-pass path (the mixed path); else 0."""
     if use_3pass(grad_path, N, V, H, dtype):
         return N
-    if grad_path != "auto" or dtype == torch.float16 or H < MIN_HIDDEN_3PASS or N < _sft.MIN_TOKENS_3PASS:
+    if grad_path != "auto" or dtype == torch.float16 or H < MIN_HIDDEN_MIXED or N < _sft.MIN_TOKENS_3PASS:
         return 0
     return _mixed_rows(N, V, H, torch.finfo(dtype).bits // 8, budget_bytes(V, H))
 

@@ -39,11 +39,13 @@ def chain_start(PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr):
 
 @triton.jit
 def log_approx(x, APPROX: tl.constexpr):
-    """Natural logarithm of fp32 ``x``. With APPROX (:func:`hopperkern.tma.ptx_approx_math`: a GPU), one
-    ``lg2.approx.f32`` (the special-function unit; absolute error at most 2^-22 in log2 x, subnormals kept) times
-    ln 2, in place of ``tl.log``'s libdevice polynomial (about twenty instructions an element), for element-wise
-    passes whose inputs carry far more error than that (exponentials stored in bf16). Without APPROX, ``tl.log``:
-    the interpreter runs no inline assembly."""
+    """Natural logarithm of a normal positive fp32 ``x``. With APPROX (:func:`hopperkern.tma.ptx_approx_math`: a
+    GPU), one ``lg2.approx.f32`` (the special-function unit: an absolute error of 2^-22.6 on the mantissa's log2, then the
+    result's roundings, |log x| 2^-22) times ln 2, in
+    place of ``tl.log``'s libdevice polynomial (about twenty instructions an element), for element-wise passes whose
+    inputs carry far more error than that (exponentials stored in bf16). Without APPROX, ``tl.log``: the interpreter
+    runs no inline assembly. Subnormal ``x`` (below 2^-126) is the caller's to exclude: compiled Triton code flushes
+    it to zero in ``tl.log`` (giving -inf), the interpreter does not."""
     if APPROX:
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1) * 0.6931471805599453
