@@ -674,8 +674,8 @@ def lce_exp_dlogits_kernel(
     p = tl.where(at_label, tl.exp(logp)[:, None], e * tl.exp(mt - lse)[:, None])
     coef = a[:, None]
     if HAS_GE:
-        # Only normal e take the logarithm (log_approx's domain; tl.log flushes a subnormal input to 0 in compiled
-        # code, and -inf there would make p z a NaN). A subnormal e, a logit 87 to 92 below its tile's running max
+        # Only normal e take the logarithm (log_approx's domain; compiled tl.log takes libdevice's flush-to-zero
+        # path, and a -inf there would make p z a NaN). A subnormal e, a logit 87 to 92 below its tile's running max
         # should the forward store one, has p < 2^-126: its terms vanish with z = 0 as with the exact z.
         normal = e >= 1.1754943508222875e-38
         z = tl.where(normal, mt[:, None] + log_approx(tl.where(normal, e, 1.0), APPROX_MATH), 0.0)

@@ -23,14 +23,14 @@ buffer until its backward: several forwards before one backward (micro-batches) 
 the mixed path below, with its S x V buffer.
 
 Rule (``grad_path="auto"``): bf16 and fp32 inputs from ``sft.MIN_TOKENS_3PASS`` tokens and ``MIN_HIDDEN_3PASS``
-hidden units (below it the recomputed logits cost less than the extra streaming), when :func:`extra_bytes` (the
+hidden units (below it nothing was measured), when :func:`extra_bytes` (the
 kept N x V buffer, the per-tile maxima, the backward's fp32 d_hidden) is at most :func:`.sft.budget_bytes` =
 V x H x 4 bytes + 512 MiB: the SFT path's memory budget.
 
-The mixed path (:func:`stored_rows`; "auto" only, from ``MIN_HIDDEN_MIXED`` hidden units): where the whole batch's
-exponentials exceed that budget, the
-first S tokens (whole blocks of ``MIXED_ROW_STEP`` rows, at least ``MIN_STORED_ROWS``, as many as
-:func:`mixed_extra_bytes` lets fit the budget) take this path and the other N - S tokens the 4-pass path: two
+The mixed path (:func:`stored_rows`; "auto" only, from ``MIN_HIDDEN_MIXED`` hidden units): where the whole
+batch's exponentials exceed that budget, the first S tokens (whole blocks of ``MIXED_ROW_STEP`` rows, at least
+``MIN_STORED_ROWS``, as many as :func:`mixed_extra_bytes` lets fit the budget) take this path and the other N - S
+tokens the 4-pass path: two
 forwards (the first storing), then the S rows' d(logits) in place and their d_hidden rows in one GEMM, and the
 4-pass backward of the rest, whose per-slice d_weight GEMMs also add the S tokens' products (the same d(logits)
 columns) to the same fp32 sums (:func:`.launch.lce_backward`'s ``extra_weight_grad``): every d_weight entry is one
@@ -51,9 +51,9 @@ from .launch import DLOGITS_BUDGET, LceOptions, _dw_rows, lce_backward, lce_forw
 from . import sft as _sft
 from .sft import budget_bytes, lce_sft_backward, padded_cols
 
-__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_HIDDEN_MIXED", "MIN_TOKENS_NARROW_TILES", "MIXED_ROW_STEP", "MIN_STORED_ROWS",
-           "check_grad_path", "use_3pass", "stored_rows", "extra_bytes", "mixed_extra_bytes", "forward_config",
-           "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
+__all__ = ["GRAD_PATHS", "MIN_HIDDEN_3PASS", "MIN_HIDDEN_MIXED", "MIN_TOKENS_NARROW_TILES", "MIXED_ROW_STEP",
+           "MIN_STORED_ROWS", "check_grad_path", "use_3pass", "stored_rows", "extra_bytes", "mixed_extra_bytes",
+           "forward_config", "lce_rl_forward", "lce_rl_backward", "forward_block_v"]
 
 GRAD_PATHS = ("auto", "3pass", "4pass")
 # "auto" takes the 3-pass path from this hidden size. It trades the backward's recomputed logits (2 N V H FLOPs)
@@ -114,9 +114,9 @@ def use_3pass(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> boo
 def stored_rows(grad_path: str, N: int, V: int, H: int, dtype: torch.dtype) -> int:
     """How many leading tokens of a differentiable call keep their exponentials (0: the 4-pass path for all): N
     where :func:`use_3pass` says so; under ``"auto"``, where the whole batch's exponentials exceed the budget but
-    the thresholds hold (``MIN_HIDDEN_MIXED`` in place of ``MIN_HIDDEN_3PASS``), the most rows (a multiple of ``MIXED_ROW_STEP``, at least ``MIN_STORED_ROWS``) whose
-    :func:`mixed_extra_bytes` fit :func:`.sft.budget_bytes`: those take the 3-pass path and the other tokens the
-    4-pass path (the mixed path); else 0."""
+    the thresholds hold (``MIN_HIDDEN_MIXED`` in place of ``MIN_HIDDEN_3PASS``), the most rows (a multiple of
+    ``MIXED_ROW_STEP``, at least ``MIN_STORED_ROWS``) whose :func:`mixed_extra_bytes` fit :func:`.sft.budget_bytes`:
+    those take the 3-pass path and the other tokens the 4-pass path (the mixed path); else 0."""
     if use_3pass(grad_path, N, V, H, dtype):
         return N
     if grad_path != "auto" or dtype == torch.float16 or H < MIN_HIDDEN_MIXED or N < _sft.MIN_TOKENS_3PASS:

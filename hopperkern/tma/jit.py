@@ -17,8 +17,8 @@ try:  # tl.extra.cuda.gdc_* in chain_start; Capability.pdl is False where they a
 except ImportError:  # pragma: no cover - a Triton without the CUDA extras
     pass
 
-__all__ = ["chain_start", "grouped_tile", "log_approx", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d", "load_3d",
-           "store_3d", "load_rows"]
+__all__ = ["chain_start", "grouped_tile", "log_approx", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d",
+           "load_3d", "store_3d", "load_rows"]
 
 
 @triton.jit
@@ -40,12 +40,12 @@ def chain_start(PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr):
 @triton.jit
 def log_approx(x, APPROX: tl.constexpr):
     """Natural logarithm of a normal positive fp32 ``x``. With APPROX (:func:`hopperkern.tma.ptx_approx_math`: a
-    GPU), one ``lg2.approx.f32`` (the special-function unit: an absolute error of 2^-22.6 on the mantissa's log2, then the
-    result's roundings, |log x| 2^-22) times ln 2, in
-    place of ``tl.log``'s libdevice polynomial (about twenty instructions an element), for element-wise passes whose
-    inputs carry far more error than that (exponentials stored in bf16). Without APPROX, ``tl.log``: the interpreter
-    runs no inline assembly. Subnormal ``x`` (below 2^-126) is the caller's to exclude: compiled Triton code flushes
-    it to zero in ``tl.log`` (giving -inf), the interpreter does not."""
+    GPU), one ``lg2.approx.f32`` (the special-function unit: an absolute error of 2^-22.6 on the mantissa's log2,
+    then the result's roundings, |log x| 2^-22) times ln 2, in place of ``tl.log``'s libdevice polynomial (about
+    twenty instructions an element), for element-wise passes whose inputs carry far more error than that
+    (exponentials stored in bf16). Without APPROX, ``tl.log``: the interpreter runs no inline assembly. Subnormal
+    ``x`` (below 2^-126) is the caller's to exclude: compiled Triton code takes libdevice's flush-to-zero path in
+    ``tl.log``, the interpreter does not."""
     if APPROX:
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1) * 0.6931471805599453
