@@ -434,8 +434,9 @@ def test_bf16_rl_paths_confident(shape):
 
 
 def test_bf16_rl_3pass_wide_logits():
-    """Logits of std 40 (over +-150) put many stored exponentials below fp32's smallest normal (logits 87 to 92 under
-    their tile's running max: bf16 subnormals). The 3-pass path's log-probs, entropies and gradients stay finite and
+    """Logits of std 40 (over +-150) span far more than the 87 to 92 below a tile's running max where a stored bf16
+    exponential would be subnormal, the edge of the pass's logarithm. The 3-pass path's log-probs, entropies and
+    gradients stay finite and
     agree with the 4-pass path's (which recomputes the logits) to a few bf16 roundings, and neither is further from
     fp64 than twice the other plus one bf16 rounding."""
     inp = make_inputs((512, 32000, 1024), torch.bfloat16, device=DEV, ignore=0.1, logit_std=40.0)
