@@ -55,7 +55,9 @@ CHECK_ROWS = 256  # rows of out compared with the fp32 reference (rows are indep
 # matmul (with and without TMA), vLLM's fused_moe with its tuned H200 files and a torch._grouped_mm MLP, measured
 # on the H200 on 2026-12-01 with the method of this file (M <= 64: per call in a 10-call graph with the L2
 # flushed). Those libraries are not installed here, so these figures come from that run, not this one:
-# ``vs_best_public`` (their time / ours) compares across runs; every other ratio in the CSV is same-run.
+# ``vs_best_public`` (their time / ours) compares across runs; every other ratio in the CSV is same-run. Rows of
+# another GPU get no such column: those figures say nothing about it.
+PUBLIC_DEVICE = "NVIDIA H200"
 BEST_PUBLIC_US = {
     "qwen3-30B-A3B": (37.3, 225.8, 355.5, 569.9, 627.0, 1002.0, 2936.1),
     "deepseek-V3-TP8": (50.1, 337.1, 750.1, 875.7, 1126.7, 1692.6, 4667.9),
@@ -65,8 +67,11 @@ BEST_PUBLIC_US = {
 }
 
 
-def best_public_us(shape: str, M: int):
-    """The best public latency of :data:`BEST_PUBLIC_US` at (shape, M), or None off its grid."""
+def best_public_us(shape: str, M: int, device: str = PUBLIC_DEVICE):
+    """The best public latency of :data:`BEST_PUBLIC_US` at (shape, M), or None off its grid or on a ``device``
+    other than :data:`PUBLIC_DEVICE`, where they were measured."""
+    if device != PUBLIC_DEVICE:
+        return None
     figures = BEST_PUBLIC_US.get(shape)
     return figures[TOKENS.index(M)] if figures is not None and M in TOKENS else None
 PROVIDERS = {  # provider: what it runs (the plot's legend)
@@ -225,7 +230,7 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
         if "hopperkern" in pair and "hopperkern-nopdl" in pair:  # same run: what chaining the launches gains
             pair["hopperkern"]["pdl_speedup_graph10"] = (pair["hopperkern-nopdl"]["time_us_graph10"]
                                                          / pair["hopperkern"]["time_us_graph10"])
-        public = best_public_us(name, M)
+        public = best_public_us(name, M, meta["device"])
         for r in rows:
             if r["M"] == M and torch_rows and "time_us" in r:
                 r["speedup_vs_torch"] = torch_rows[0]["time_us"] / r["time_us"]

@@ -3,7 +3,7 @@ print registers, spills, shared memory and the estimated resident programs per S
 
 For every config of the heuristics and of the tuner's candidate list on the PERF.md shapes, both TMA flags,
 flatten on and off, sorted and direct plans, the down GEMM with both top-k reductions (``--shipped``: the
-shipped tuning file's configs only); and the training path (forward saving pre-activations, the
+shipped tuning files' configs only); and the training path (forward saving pre-activations, the
 backward's dY, d_hidden and weight-gradient GEMMs) on the training shapes. Catches what the interpreter cannot: lowering and pipeliner
 failures, shared memory over 227 KiB, register spills, and a programs-per-SM estimate above what fits.
 
@@ -13,6 +13,7 @@ failures, shared memory over 227 KiB, register spills, and a programs-per-SM est
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -195,7 +196,7 @@ def jobs(quick: bool):
 
 
 def shipped_jobs():
-    """Every config of the shipped tuning file (configs/NVIDIA_H200.json) as fused_moe runs it, both memory paths:
+    """Every config of the shipped tuning files (configs/*.json) as fused_moe runs it, both memory paths:
     the gate/up GEMM (direct plan where the bucket takes one), the down GEMM with both top-k reductions (fixed
     order and fp32 atomics), and the fused top-k down GEMM where the entry asks for it."""
     from pathlib import Path
@@ -204,9 +205,9 @@ def shipped_jobs():
     from hopperkern.tune.shapes import MOE_SHAPES as SHAPES
     from hopperkern.tuning import load_config, moe_key
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "NVIDIA_H200.json")
+    files = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))
     out = []
-    for E, k, H, I in SHAPES.values():  # noqa: E741
+    for (E, k, H, I), cfg in itertools.product(SHAPES.values(), [load_config(f) for f in files]):  # noqa: E741
         for bucket, mc in cfg.moe.get(moe_key(E, H, I, "bfloat16"), {}).items():
             direct = prefer_direct(int(bucket), k, E)
             for tma in (False, True):
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="heuristic configs only, their own flatten flag")
     ap.add_argument("--shipped", action="store_true",
-                    help="only the configs of the shipped tuning file, as fused_moe runs them (both top-k sums)")
+                    help="only the configs of the shipped tuning files, as fused_moe runs them (both top-k sums)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     args = ap.parse_args(argv)
     todo = shipped_jobs() if args.shipped else jobs(args.quick)

@@ -103,3 +103,17 @@ def test_pyproject_extras_and_license():
     text = (root / "LICENSE").read_text()
     assert "Apache License\n                           Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_best_public_figures_only_for_their_gpu():
+    """The public MoE latencies were measured on one GPU: rows of another get no ratio to them."""
+    from benchmarks import bench_moe
+
+    assert bench_moe.best_public_us("qwen3-30B-A3B", 1, "NVIDIA H200") == bench_moe.BEST_PUBLIC_US["qwen3-30B-A3B"][0]
+    assert bench_moe.best_public_us("qwen3-30B-A3B", 1, "NVIDIA H100 80GB HBM3") is None
+    assert bench_moe.best_public_us("qwen3-30B-A3B", 3, "NVIDIA H200") is None  # off the grid
+    stored = RESULTS / "moe_NVIDIA_H100_80GB_HBM3.csv"
+    if stored.is_file():
+        from benchmarks.common import load_csv
+
+        assert not any(r.get("vs_best_public") for r in load_csv(stored))

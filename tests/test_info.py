@@ -183,15 +183,15 @@ def test_tuning_fallback_is_reported_without_a_warning(monkeypatch):
 
 
 def test_hopper_gpu_without_a_file_reports_the_closest_file(monkeypatch):
-    """An H100 has no file of its own: info names the H200 file it would load, and why."""
-    _fake_capability(monkeypatch, dataclasses.replace(H200, device_name="NVIDIA H100 80GB HBM3"))
+    """An H20 has no file of its own: info names the H200 file it would load, and why."""
+    _fake_capability(monkeypatch, dataclasses.replace(H200, device_name="NVIDIA H20", sm_count=78))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         data = info.collect()
     t = data["tuning"]
     assert Path(t["loaded"]).name == "NVIDIA_H200.json" and t["tuned_on"] == "NVIDIA H200"
-    assert t["closest_to"] == "NVIDIA H100 80GB HBM3"
-    assert t["why"] == "closest file of the same architecture (sm_90): no file for NVIDIA H100 80GB HBM3 (current GPU)"
+    assert t["closest_to"] == "NVIDIA H20"
+    assert t["why"] == "closest file of the same architecture (sm_90): no file for NVIDIA H20 (current GPU)"
     assert t["hint"].startswith("tune this GPU with: python -m hopperkern.tune")
     text = _rendered(data)
     assert "NVIDIA_H200.json" in text and "closest file of the same architecture (sm_90)" in text

@@ -144,6 +144,19 @@ TRAIN_SHAPES = [
 ]
 
 
+def _experts_that_fit(H, I, headroom=0.75):  # noqa: E741
+    """The most experts (a power of two) of this H and I whose training test fits the GPU in ``headroom`` of its
+    memory: 12 bytes per weight at the peak (the bf16 weights, the fp32 reference's weight gradients, the kernel's
+    bf16 gradients, then torch._grouped_mm's bf16 gradients and its leaves' copy of the weights), with room for
+    what earlier tests left cached. deepseek-V3's 256 experts need about 126 GiB: an 80 GB card runs 64 of them and
+    a 141 GB card 128, with the same H and I (the same tiles and kernels) and more rows per expert."""
+    per_expert = 3 * H * I * 12
+    E = 1
+    while (2 * E) * per_expert <= headroom * torch.cuda.get_device_properties(0).total_memory:
+        E *= 2
+    return E
+
+
 def _train_grads(fn, x, w13, w2, weights, ids, dout):
     leaves = [t.detach().clone().requires_grad_() for t in (x, w13, w2, weights)]
     return torch.autograd.grad(fn(*leaves, ids), leaves, dout)
@@ -153,11 +166,13 @@ def _train_grads(fn, x, w13, w2, weights, ids, dout):
 @pytest.mark.parametrize("shape", TRAIN_SHAPES, ids=lambda s: s[0])
 def test_bf16_backward_real_shapes(shape, recompute):
     """Gradients of hidden, w13, w2 and topk_weights within 2x the torch._grouped_mm autograd MLP's error
-    against an fp32 reference (expert by expert), at 512 tokens with skewed routing (a heavy expert)."""
+    against an fp32 reference (expert by expert), at 512 tokens with skewed routing (a heavy expert); as many of
+    the shape's experts as fit the GPU (:func:`_experts_that_fit`)."""
     from benchmarks.bench_moe import torch_grouped_moe
     from benchmarks.bench_moe_train import GRADS, reference_grads, rel_norm_err
 
     _, E, k, H, I = shape  # noqa: E741
+    E = min(E, _experts_that_fit(H, I))
     w13, w2 = _weights(E, H, I)
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn((512, H), generator=gen, device="cuda").to(torch.bfloat16)

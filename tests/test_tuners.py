@@ -394,7 +394,20 @@ def test_merge_into_file_keeps_other_entries(tmp_path, monkeypatch):
     assert cfg.origin == str(path) and (cfg.device_name, cfg.triton_version) == ("Test GPU", triton.__version__)
     assert list(cfg.lce["forward:bfloat16:H64"]) == ["2048", "16384"]
     assert cfg.moe["E4_H64_I32_bfloat16"]["1"].fused_topk
-    assert cfg.tuner == "python -m hopperkern.tune" and path.read_text() == cfg.canonical_json()
+    # Every command that wrote entries, in order.
+    assert cfg.tuner == ("python -m hopperkern.tune; python -m hopperkern.tune --only moe; python -m hopperkern.tune")
+    assert path.read_text() == cfg.canonical_json()
+    merge_into_file(path, lce={"forward:bfloat16:H64": {"2048": k}}, device_name="Test GPU")
+    assert tuning.load_config(path).tuner == cfg.tuner  # the last command is not repeated
+
+
+def test_recorded_command_leaves_out_the_output_folder():
+    from hopperkern.tune import cli
+
+    assert cli.recorded_command(["--only", "moe", "--out", "/some/folder", "--budget-s", "60"]) == (
+        "python -m hopperkern.tune --only moe --budget-s 60")
+    assert cli.recorded_command(["--out=/x", "--only", "lce"]) == "python -m hopperkern.tune --only lce"
+    assert cli.recorded_command([]) == "python -m hopperkern.tune"
 
 
 def test_command_line_help_and_no_gpu(capsys):

@@ -207,26 +207,47 @@ def only_env_folder(tmp_path, monkeypatch):
     return folder
 
 
-@pytest.mark.parametrize("device", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H800", "NVIDIA H20",
-                                    "NVIDIA GH200 480GB"])
-def test_hopper_gpu_without_a_file_loads_the_packaged_h200_file_with_one_warning(device, monkeypatch):
-    """The shipped H200 file serves every Hopper GPU; the warning names the file looked for and the one used."""
+# The shipped files: the H200's and the H100 SXM's. Every other Hopper GPU takes the closest of them.
+_PACKAGED_CLOSEST = [("NVIDIA H100 PCIe", "NVIDIA_H100_80GB_HBM3", "NVIDIA H100 80GB HBM3"),
+                     ("NVIDIA H800", "NVIDIA_H100_80GB_HBM3", "NVIDIA H100 80GB HBM3"),
+                     ("NVIDIA H100 NVL", "NVIDIA_H100_80GB_HBM3", "NVIDIA H100 80GB HBM3"),
+                     ("NVIDIA H20", "NVIDIA_H200", "NVIDIA H200"),
+                     ("NVIDIA GH200 480GB", "NVIDIA_H200", "NVIDIA H200")]
+
+
+@pytest.mark.parametrize("device, stem, tuned_on", _PACKAGED_CLOSEST)
+def test_hopper_gpu_without_a_file_loads_the_closest_packaged_file_with_one_warning(device, stem, tuned_on,
+                                                                                   monkeypatch):
+    """A shipped file serves every Hopper GPU; the warning names the file looked for and the one used."""
     _gpu(monkeypatch, device)
-    stem = hopperkern.tma.normalize_device_name(device)
+    own = hopperkern.tma.normalize_device_name(device)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         first = load_config()
         second = load_config()
     assert second is first and not first.is_default
-    assert Path(first.origin) == REPO / "configs" / "NVIDIA_H200.json" and first.device_name == "NVIDIA H200"
+    assert Path(first.origin) == REPO / "configs" / f"{stem}.json" and first.device_name == tuned_on
     assert first.why == f"closest file of the same architecture (sm_90): no file for {device} (current GPU)"
     msgs = [str(w.message) for w in rec if "tuned with triton" not in str(w.message)]  # the shipped file's triton
     assert len(msgs) == 1, msgs
     assert msgs[0].startswith(f"hopperkern: no tuning file for {device} (looked for ")
-    assert f"{stem}.json" in msgs[0] and f"using {first.origin} (tuned on NVIDIA H200)" in msgs[0]
+    assert f"{own}.json" in msgs[0] and f"using {first.origin} (tuned on {tuned_on})" in msgs[0]
     assert "the closest file of the same architecture (sm_90)" in msgs[0]
     assert msgs[0].endswith("Tune this GPU with: python -m hopperkern.tune --out configs/")
     assert all(w.filename == __file__ for w in rec)
+
+
+@pytest.mark.parametrize("device", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_gpu_with_a_shipped_file_loads_it_quietly(device, monkeypatch):
+    _gpu(monkeypatch, device)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        cfg = load_config()
+    stem = hopperkern.tma.normalize_device_name(device)
+    assert Path(cfg.origin) == REPO / "configs" / f"{stem}.json" and cfg.device_name == device
+    assert cfg.why.startswith("packaged"), cfg.why
+    assert [str(w.message) for w in rec if "tuned with triton" not in str(w.message)] == []
+    assert cfg.lce and cfg.moe  # both families tuned
 
 
 def test_gpu_of_another_architecture_gets_defaults_not_a_hopper_file(monkeypatch):
@@ -567,6 +588,7 @@ def test_closest_file_passes_over_files_that_are_not_tuning_files(tmp_path, monk
     _write(tmp_path / "NVIDIA_H100.old.json", VALID)  # a backup name no device normalises to
     good = _write(tmp_path / "NVIDIA_H200.json", VALID)
     monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
+    monkeypatch.setattr(tuning, "packaged_config_dirs", lambda: [tmp_path / "no-package"])  # this folder only
     with pytest.warns(UserWarning, match="closest file of the same architecture"):
         cfg = load_config()
     assert cfg.origin == str(good)

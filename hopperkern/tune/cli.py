@@ -13,7 +13,7 @@ from .. import tuning
 from .moe_tuner import BUCKETS as MOE_BUCKETS
 from .shapes import MOE_SHAPES
 
-__all__ = ["COMMAND", "main", "merge_into_file"]
+__all__ = ["COMMAND", "main", "merge_into_file", "recorded_command"]
 
 COMMAND = "python -m hopperkern.tune"
 _DESCRIPTION = ("Time launch configs of hopperkern's kernels on this GPU and write its tuning file,\n"
@@ -28,7 +28,8 @@ def merge_into_file(path: Path, *, lce: dict | None = None, moe: dict | None = N
                     device_name: str | None = None) -> tuning.TuningConfig:
     """Merge tuned entries (``{key: {bucket: config}}`` for the LCE and MoE sections) into the tuning file at
     ``path`` (created if missing), keeping every other entry; stamp the device (``device_name``, default the
-    current GPU's), the running Triton version, the time and ``tuner``; validate through the
+    current GPU's), the running Triton version, the time and ``tuner`` (the command, after those that wrote the
+    file's earlier entries, "; " between them); validate through the
     :mod:`hopperkern.tuning` models and write the file in its canonical order. Returns the config written."""
     from ..tma import capability
 
@@ -40,11 +41,36 @@ def merge_into_file(path: Path, *, lce: dict | None = None, moe: dict | None = N
             data[section].setdefault(key, {}).update({b: c.model_dump() for b, c in buckets.items()})
     data.update(device_name=device_name or cap.device_name or data["device_name"],
                 triton_version=cap.triton_version or data["triton_version"],
-                tuned_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tuner=tuner)
+                tuned_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                tuner=_tuner_history(data["tuner"] if path.is_file() else "", tuner))
     out = tuning.TuningConfig.model_validate(data)
     path.parent.mkdir(parents=True, exist_ok=True)
     out.save(path)
     return out
+
+
+def _tuner_history(before: str, command: str) -> str:
+    """The ``tuner`` field after ``command`` merged entries into a file whose field read ``before``: each command
+    that wrote entries, in order, joined by "; " (a command already last in the list is not repeated)."""
+    done = [c.strip() for c in before.split(";") if c.strip()]
+    if not done or done[-1] != command:
+        done.append(command)
+    return "; ".join(done)
+
+
+def recorded_command(argv) -> str:
+    """The command line as the tuning file records it: ``python -m hopperkern.tune`` with the arguments that chose
+    what was tuned, without ``--out`` (where the file was written says nothing about its entries, and a machine's
+    folder has no place in a shipped file)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return " ".join([COMMAND, *kept])
 
 
 def _searched_by_default(folder: Path) -> bool:
@@ -101,8 +127,8 @@ def main(argv=None) -> int:
     moe = None
     if args.only in (None, "moe"):
         moe = tune_moe_default(args.moe_shapes, args.moe_tokens or MOE_BUCKETS, time_budget_s=args.budget_s)
-    command = " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])])
-    merge_into_file(path, lce=lce, moe=moe, tuner=command, device_name=cap.device_name)
+    merge_into_file(path, lce=lce, moe=moe, tuner=recorded_command(argv if argv is not None else sys.argv[1:]),
+                    device_name=cap.device_name)
     print(f"{COMMAND}: wrote {path} in {time.time() - t0:.0f} s")
     if not _searched_by_default(args.out):
         print(f"hopperkern loads it where HOPPERKERN_CONFIG={args.out.resolve()} is set (a folder of "

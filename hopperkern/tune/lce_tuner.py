@@ -16,7 +16,7 @@ from .timing import pick_fastest, rel_err, time_cuda
 __all__ = ["CANDIDATES", "CHECK_ROWS", "LCE_BUCKETS", "LCE_SHAPES", "in_use", "tune_lce"]
 
 LCE_SHAPES = ((4096, 128256), (896, 151936))  # (H, V) classes of the sweep; token buckets below
-LCE_BUCKETS = (2048, 16384)
+LCE_BUCKETS = (2048, 16384, 32768)
 CANDIDATES = [
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=16, num_warps=8, num_stages=3, flatten=True),
     KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, flatten=True),
