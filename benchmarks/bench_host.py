@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_lce import rl_path_name
-from benchmarks.common import capture_graph, run_meta, write_csv
+from benchmarks.common import capture_graph, kernel_profile, run_meta, write_csv
 from hopperkern.tune.shapes import MOE_SHAPES
 
 MOE_TOKENS = (1, 16, 256)
@@ -108,14 +108,7 @@ def graph_us(fn, calls=50) -> float:
 
 
 def count_launches(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return len(kernel_profile(fn))
 
 
 def baselines() -> dict:

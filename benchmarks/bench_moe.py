@@ -20,6 +20,8 @@ Models (written next to the figures):
   L2 flushed before each call); vs_stream_graph10 = stream_us_graph10 / time_us_graph10. The copy bandwidth is
   measured on 1 GiB; a read of a few tens of MB after an L2 flush reaches less of it, and this reference says
   how much a plain read gets in the same run. It is not a strict floor: a better streaming kernel can beat it.
+  kernel_us_align / _gate_up / _down / _topk_sum / _other (hopperkern rows) = GPU microseconds per call of each
+  kernel of the call (torch profiler over 10 eager calls, warm L2): where a point's time goes.
 
     python -m benchmarks.bench_moe --out DIR [--quick] [--shapes qwen3-30B-A3B mixtral-8x7B ...]
     python -m benchmarks.bench_moe --plot-from benchmarks/results/moe_NVIDIA_H200.csv   # redraw, no GPU needed
@@ -39,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import capture_graph, graph_ms, measure_ceilings, pyplot, redraw, run_label, run_meta, write_csv
+from benchmarks.common import (capture_graph, graph_ms, kernel_profile, measure_ceilings, pyplot, redraw, run_label,
+                               run_meta, write_csv)
 from hopperkern.tune.shapes import MOE_SHAPES
 
 SHAPES = MOE_SHAPES  # name: (E, top_k, H, I): the shapes the tuner sweeps
@@ -74,6 +77,8 @@ def best_public_us(shape: str, M: int, device: str = PUBLIC_DEVICE):
         return None
     figures = BEST_PUBLIC_US.get(shape)
     return figures[TOKENS.index(M)] if figures is not None and M in TOKENS else None
+
+
 PROVIDERS = {  # provider: what it runs (the plot's legend)
     "hopperkern": "hopperkern fused_moe, tma='auto' (TMA for weights and sorted rows)",
     "hopperkern-ptr": "hopperkern fused_moe, tma='never' (pointer loads only)",
@@ -168,6 +173,19 @@ def _time(fn, graph: bool):
     return triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=[0.5, 0.2, 0.8]), how
 
 
+KERNEL_PARTS = ("align", "gate_up", "down", "topk_sum")  # kernel_us_* columns, matched in the kernels' names
+
+
+def kernel_parts(fn, calls: int = 10) -> dict:
+    """GPU microseconds per call of each part of ``fn``'s kernels (``kernel_us_<part>``: the first of
+    :data:`KERNEL_PARTS` whose name the kernel's contains; ``kernel_us_other`` for the rest), from ``calls`` eager
+    calls under the torch profiler (warm L2, unlike the graph10 timings)."""
+    parts = dict.fromkeys([*KERNEL_PARTS, "other"], 0.0)
+    for name, us in kernel_profile(fn, calls):
+        parts[next((p for p in KERNEL_PARTS if p in name), "other")] += us / calls
+    return {f"kernel_us_{p}": v for p, v in parts.items()}
+
+
 def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
     from hopperkern import moe
 
@@ -217,6 +235,11 @@ def run_shape(name, E, k, H, I, tokens, provs, ceil, meta, log):  # noqa: E741
                     row["pct_copy_bw_graph10"] = 100 * nbytes / row["time_us_graph10"] / 1e3 / ceil["copy_gbs"]
                     if "stream_us_graph10" in row:
                         row["vs_stream_graph10"] = row["stream_us_graph10"] / row["time_us_graph10"]
+                if pname == "hopperkern":
+                    try:
+                        row.update(kernel_parts(lambda: fn(*args)))
+                    except Exception as exc:  # a profiler failure must not cost the row its timings
+                        log(f"{name} M={M} kernel profile: FAILED {type(exc).__name__}: {exc}"[:300])
                 row["pct_copy_bw"] = 100 * row["gbs"] / ceil["copy_gbs"] if M <= 256 else None
                 row["pct_cublas"] = 100 * row["tflops"] / ceil["cublas_bf16_tflops"] if M >= 1024 else None
                 log(f"{name} M={M} {pname}: {row['time_us']:.1f} us  err {row['rel_err']:.2e}")

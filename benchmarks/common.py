@@ -16,8 +16,9 @@ import torch
 
 from hopperkern.tune.timing import capture_graph, graph_ms, pick_fastest, rel_err, time_cuda
 
-__all__ = ["MATPLOTLIB_MISSING", "capture_graph", "git_sha", "graph_ms", "load_csv", "measure_ceilings",
-           "pick_fastest", "pyplot", "redraw", "rel_err", "run_label", "run_meta", "time_cuda", "write_csv"]
+__all__ = ["MATPLOTLIB_MISSING", "capture_graph", "git_sha", "graph_ms", "kernel_profile", "load_csv",
+           "measure_ceilings", "pick_fastest", "pyplot", "redraw", "rel_err", "run_label", "run_meta", "time_cuda",
+           "write_csv"]
 
 
 def measure_ceilings() -> dict:
@@ -35,6 +36,20 @@ def measure_ceilings() -> dict:
     del a, b, src, dst
     torch.cuda.empty_cache()
     return {"cublas_bf16_tflops": tflops, "copy_gbs": gbs}
+
+
+def kernel_profile(fn, calls: int = 1) -> list[tuple[str, float]]:
+    """(kernel name, GPU microseconds) of every kernel that ``calls`` eager calls of ``fn`` run, in launch order
+    (torch profiler, after one unprofiled call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def git_sha() -> str:

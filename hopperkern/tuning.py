@@ -8,10 +8,9 @@ Lookup order for ``load_config(source=None)``:
 
 1. ``HOPPERKERN_CONFIG`` (read at call time): a JSON file, or a folder holding ``<DEVICE_NAME>.json``;
 2. the packaged ``configs/<DEVICE_NAME>.json`` (inside the wheel, or the checkout's top-level ``configs/``);
-3. the closest file of the same architecture in those folders (an H100 PCIe or an H800 without a file of its own
-   takes the H100 SXM's, an H20 the H200's; :func:`hopperkern.tma.capability.closest_devices` says which is
-   closest), with ONE warning naming
-   the file looked for and the file used;
+3. the closest file of the same architecture in those folders (an H100 PCIe or NVL or an H800 without a file of
+   its own takes the H100 SXM's, an H20 or a GH200 the H200's; :func:`hopperkern.tma.capability.closest_devices`
+   says which is closest), with ONE warning naming the file looked for and the file used;
 4. built-in defaults (each op's heuristics), with ONE warning naming the file looked for and the tuner command.
 
 A file tuned with another Triton version than the running one is used, with one warning. A malformed file raises

@@ -117,3 +117,14 @@ def test_best_public_figures_only_for_their_gpu():
         from benchmarks.common import load_csv
 
         assert not any(r.get("vs_best_public") for r in load_csv(stored))
+
+
+def test_moe_kernel_parts_sum_each_kernel_family_per_call(monkeypatch):
+    from benchmarks import bench_moe
+
+    profile = [("_align_small_kernel", 30.0), ("_gate_up_kernel", 200.0), ("_down_direct_kernel", 100.0),
+               ("_down_kernel", 50.0), ("_topk_sum_kernel", 20.0), ("void at::native::fill", 10.0)]
+    monkeypatch.setattr(bench_moe, "kernel_profile", lambda fn, calls: profile)
+    assert bench_moe.kernel_parts(lambda: None, calls=10) == {
+        "kernel_us_align": 3.0, "kernel_us_gate_up": 20.0, "kernel_us_down": 15.0, "kernel_us_topk_sum": 2.0,
+        "kernel_us_other": 1.0}

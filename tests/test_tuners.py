@@ -408,6 +408,13 @@ def test_recorded_command_leaves_out_the_output_folder():
         "python -m hopperkern.tune --only moe --budget-s 60")
     assert cli.recorded_command(["--out=/x", "--only", "lce"]) == "python -m hopperkern.tune --only lce"
     assert cli.recorded_command([]) == "python -m hopperkern.tune"
+    # An older record's folder goes when the file is merged into; the command line takes no abbreviated --out.
+    before = "python -m hopperkern.tune --out /some/folder --only lce"
+    assert cli._tuner_history(before, "python -m hopperkern.tune") == (
+        "python -m hopperkern.tune --only lce; python -m hopperkern.tune")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--ou", "/some/folder"])
+    assert exc.value.code == 2
 
 
 def test_command_line_help_and_no_gpu(capsys):

@@ -52,10 +52,18 @@ def merge_into_file(path: Path, *, lce: dict | None = None, moe: dict | None = N
 def _tuner_history(before: str, command: str) -> str:
     """The ``tuner`` field after ``command`` merged entries into a file whose field read ``before``: each command
     that wrote entries, in order, joined by "; " (a command already last in the list is not repeated)."""
-    done = [c.strip() for c in before.split(";") if c.strip()]
+    done = [_rerecorded(c.strip()) for c in before.split(";") if c.strip()]
     if not done or done[-1] != command:
         done.append(command)
     return "; ".join(done)
+
+
+def _rerecorded(entry: str) -> str:
+    """An entry of an existing file's ``tuner`` field as :func:`recorded_command` records it now (an older
+    record may hold its ``--out`` folder)."""
+    words = entry.split()
+    head = COMMAND.split()
+    return recorded_command(words[len(head):]) if words[:len(head)] == head else entry
 
 
 def recorded_command(argv) -> str:
@@ -94,7 +102,8 @@ def _positive(text: str) -> int:
 
 def main(argv=None) -> int:
     """``python -m hopperkern.tune``; returns the exit code (1 when there is no CUDA GPU to tune)."""
-    ap = argparse.ArgumentParser(prog=COMMAND, description=_DESCRIPTION, epilog=_EPILOG,
+    # No abbreviated options: the file records the command line (recorded_command), which must recognise --out.
+    ap = argparse.ArgumentParser(prog=COMMAND, description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("configs"),
                     help="folder of <DEVICE_NAME>.json; an existing file there is merged (default: ./configs)")
