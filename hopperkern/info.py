@@ -226,6 +226,8 @@ def _tuning() -> dict:
     out["looked_for"] = list(found.looked)
     out["why"] = found.why
     out["closest_to"] = found.closest_to  # this GPU has no file: the file found is the closest one of its kind
+    # The tuning files hopperkern ships (file names; each is named after the GPU it was tuned on).
+    out["shipped"] = sorted({p.name for d in tuning.packaged_config_dirs() if d.is_dir() for p in d.glob("*.json")})
     # The fallback warnings are the ops' business; here the same facts go into the report instead, and the
     # warnings stay due for the first op call of a program that collects this report.
     warned = set(tuning._WARNED)
@@ -390,6 +392,8 @@ def render(data: dict, console=None) -> None:
                 tun.add_row(label, _text(t[key]))
         if isinstance(t.get("entries"), dict):
             tun.add_row("entries", f"lce: {len(t['entries']['lce'])}, moe: {len(t['entries']['moe'])}")
+        if t.get("shipped"):
+            tun.add_row("shipped files", _text(", ".join(t["shipped"])))
     else:
         tun.add_row("tuning", _text(t))
     console.print(tun)

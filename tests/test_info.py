@@ -195,6 +195,9 @@ def test_hopper_gpu_without_a_file_reports_the_closest_file(monkeypatch):
     assert t["hint"].startswith("tune this GPU with: python -m hopperkern.tune")
     text = _rendered(data)
     assert "NVIDIA_H200.json" in text and "closest file of the same architecture (sm_90)" in text
+    # Every file the package ships, by name.
+    assert t["shipped"] == ["NVIDIA_H100_80GB_HBM3.json", "NVIDIA_H200.json"]
+    assert "shipped files" in text and "NVIDIA_H100_80GB_HBM3.json, NVIDIA_H200.json" in text
 
 
 def test_tuning_file_of_another_triton_is_reported(tmp_path, monkeypatch):
