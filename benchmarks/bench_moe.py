@@ -21,7 +21,10 @@ Models (written next to the figures):
   measured on 1 GiB; a read of a few tens of MB after an L2 flush reaches less of it, and this reference says
   how much a plain read gets in the same run. It is not a strict floor: a better streaming kernel can beat it.
   kernel_us_align / _gate_up / _down / _topk_sum / _other (hopperkern rows) = GPU microseconds per call of each
-  kernel of the call (torch profiler over 10 eager calls, warm L2): where a point's time goes.
+  kernel of the call (torch profiler over 10 eager calls, warm L2): where a point's time goes. Up to
+  PDL_MAX_TOKENS (64) the kernels are chained with programmatic dependent launch, so a kernel's span starts
+  before the previous one ends and includes its wait for it: there the columns overlap and their sum exceeds
+  the call (e.g. a decode top-k sum that shows most of the down GEMM's time).
 
     python -m benchmarks.bench_moe --out DIR [--quick] [--shapes qwen3-30B-A3B mixtral-8x7B ...]
     python -m benchmarks.bench_moe --plot-from benchmarks/results/moe_NVIDIA_H200.csv   # redraw, no GPU needed

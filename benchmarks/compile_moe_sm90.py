@@ -90,7 +90,8 @@ def compile_one(job):
     cfg = KernelConfig(**{**cfg_d, "flatten": flatten})
     atomic = direct in ("atomic", "atomic_direct")  # deterministic=False: fp32 atomic top-k sum epilogue
     if atomic:
-        cfg = atomic_config(cfg, 2)  # as the launcher derives it
+        cfg = atomic_config(cfg, 2)  # as the launcher derives it (stages, warps and flattening)
+        flatten = cfg.flatten
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   W_TMA=w_tma, Y_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten,
                   # Chained (moe.configs.chain_decode) only at decode sizes, whose row blocks are 16 or 32.

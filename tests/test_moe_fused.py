@@ -234,6 +234,12 @@ def test_atomic_config_fits_the_fp32_epilogue():
     pair = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=2, flatten=True)
     assert moe_configs.programs_per_sm(pair, 2, 1) == 2
     assert moe_configs.atomic_config(pair, 2) == pair.model_copy(update={"num_warps": 8})
+    # A flattened 128 x 256 tile (128 accumulator registers per thread with 8 warps) runs the atomic epilogue
+    # unflattened (its prefetch of the next tile beside that epilogue would spill), with the stages that fit.
+    wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, flatten=True)
+    fitted = moe_configs.atomic_config(wide, 2)
+    assert fitted == wide.model_copy(update={"flatten": False, "num_stages": 2})
+    assert moe_configs.smem_bytes(fitted, 2, 1, 4) <= 227 * 1024
 
 
 def test_zero_tokens(device):

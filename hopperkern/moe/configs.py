@@ -85,9 +85,13 @@ def atomic_config(config: KernelConfig, elem_size: int) -> KernelConfig:
     while :func:`smem_bytes` stays above the 227 KiB a program may use (a tuned 128 x 128 x 128 tile with 3
     stages needs 256 KiB there, 192 KiB with 2). A tile of fewer than 8 warps whose fp32 accumulator takes 128
     registers per thread or more (128 x 128 with 4 warps) runs with 8 warps: the atomic epilogue's addresses
-    beside it would spill (ptxas: 560 to 632 bytes for 128 x 128 x 64 with 4 warps and 2 stages)."""
+    beside it would spill (ptxas: 560 to 632 bytes for 128 x 128 x 64 with 4 warps and 2 stages). A flattened
+    tile loop whose accumulator takes 128 registers per thread or more (128 x 256 with 8 warps) runs without
+    flattening: the next tile's prefetch beside the atomic epilogue spills (ptxas: 428 to 468 bytes)."""
     if config.num_warps < 8 and config.block_m * config.block_n >= 128 * 32 * config.num_warps:
         config = config.model_copy(update={"num_warps": 8})
+    if config.flatten and config.block_m * config.block_n >= 128 * 32 * config.num_warps:
+        config = config.model_copy(update={"flatten": False})
     while config.num_stages > 1 and smem_bytes(config, elem_size, 1, 4) > _SMEM_PER_BLOCK:
         config = config.model_copy(update={"num_stages": config.num_stages - 1})
     return config

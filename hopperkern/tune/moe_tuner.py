@@ -69,15 +69,16 @@ _DECODE_FUSED = [(128, 256, 3, False), (64, 256, 5, True), (32, 256, 8, True)]
 
 
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
-    """3-8 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
+    """3-9 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
 
     Decode sizes (block_m <= 32): :data:`_DECODE`, each with as many stages as fit. Prefill sizes
     (block_m >= 64) include flattened tile loops (the persistent kernels prefetch the next tile's K loads
     under this tile's epilogue), and at block_m 128 one 4-warp tile per GEMM small enough for two programs per
     SM (128 x 64 x 64 with 3 stages for gate/up, a flattened 128 x 128 x 64 with 2 stages for the down GEMM):
     one program's epilogue then runs while the other's MMAs do, which pays where the down GEMM's K (= I) is
-    short. No flattened 128 x 256 down tile: it spills (``python -m benchmarks.compile_moe_sm90`` in a
-    checkout)."""
+    short; and a flattened 128 x 256 x 64 down tile (255 registers, no spills with the per-slot store; the
+    atomic top-k sum runs it unflattened, see :func:`hopperkern.moe.configs.atomic_config`), which gains most
+    where K is short and the output wide (I = 256-768)."""
     if block_m <= 32:
         cands = [_deepest(block_m, bn, bk, s, gemm, f) for bn, bk, s, f in _DECODE[gemm]]
         return [c for c in cands
@@ -93,7 +94,7 @@ def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
           (128, 64, 8, 4, 1), (64, 64, 4, 3, 0)]
          if gemm == 1 else
          [(128, 64, 8, 3, 0), (128, 64, 8, 4, 0), (256, 64, 8, 3, 0), (256, 32, 8, 4, 0), (128, 64, 8, 3, 1),
-          (128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (128, 64, 4, 2, 1)])
+          (128, 64, 8, 4, 1), (128, 128, 8, 3, 1), (128, 64, 4, 2, 1), (256, 64, 8, 3, 1)])
     return [_k(128, bn, bk, w, s, 8, bool(f)) for bn, bk, w, s, f in t]
 
 
