@@ -13,7 +13,8 @@ import triton.language as tl
 from conftest import DEVICE, HAS_CUDA
 
 from hopperkern import tma
-from hopperkern.tma.jit import load_2d, load_3d, load_rows, log_approx, store_2d, tile_source_2d, tile_source_3d
+from hopperkern.tma.jit import (load_2d, load_3d, load_halves, load_rows, log_approx, store_2d, tile_source_2d,
+                               tile_source_3d, tile_source_halves)
 
 # `hopperkern.tma.capability` is the function (re-exported); the module lives in sys.modules.
 capmod = importlib.import_module("hopperkern.tma.capability")
@@ -426,6 +427,32 @@ def test_load_3d_reads_one_slab(use_tma, idx_const, device):
     _slab_copy_3d[(1,)](w, t, E, N, K, w.stride(0), w.stride(1), 1, 16, 0, B1, B2, use_tma, idx_const)
     expect = torch.zeros(B1, B2, dtype=torch.float16, device=device)
     expect[: N - 16] = w[1, 16:]  # rows past N are zeros, never the next expert's rows
+    assert torch.equal(t, expect)
+
+
+@triton.jit
+def _halves_copy(w_ptr, t_ptr, E, half, K, stride0, stride1, idx0, off1, off2, B1: tl.constexpr, B2: tl.constexpr,
+                 USE_TMA: tl.constexpr):
+    """Copy the [2 * B1, B2] paired tile of slab idx0 at (off1, off2) into t."""
+    src = tile_source_halves(w_ptr, E, half, K, stride0, stride1, B1, B2, USE_TMA)
+    tile = load_halves(src, idx0, off1, off2, half, K, stride0, stride1, 1, B1, B2, USE_TMA)
+    r = tl.arange(0, 2 * B1)
+    c = tl.arange(0, B2)
+    tl.store(t_ptr + r[:, None] * B2 + c[None, :], tile)
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointer", "tma"])
+def test_load_halves_pairs_rows_of_both_halves(use_tma, device):
+    """Rows off1.. of the first half, then the same rows of the second half; rows past ``half`` (in either half)
+    and columns past K are zeros: never the other half's rows, never the next slab's."""
+    E, half, K, B1, B2 = 3, 20, 24, 16, 16
+    w = torch.randn(E, 2 * half, K, dtype=torch.float16, device=device)
+    t = torch.full((2 * B1, B2), float("nan"), dtype=torch.float16, device=device)
+    tma.ensure_allocator()
+    _halves_copy[(1,)](w, t, E, half, K, w.stride(0), w.stride(1), 2, 16, 16, B1, B2, use_tma)
+    expect = torch.zeros(2 * B1, B2, dtype=torch.float16, device=device)
+    expect[: half - 16, : K - 16] = w[2, 16:half, 16:]
+    expect[B1: B1 + half - 16, : K - 16] = w[2, half + 16:, 16:]
     assert torch.equal(t, expect)
 
 

@@ -15,7 +15,8 @@ or pointer loads, switched by constexpr flags chosen on the host by :func:`hoppe
 import triton
 import triton.language as tl
 
-from ..tma.jit import chain_start, grouped_tile, load_2d, load_3d, load_rows, store_2d, tile_source_2d, tile_source_3d
+from ..tma.jit import (chain_start, grouped_tile, load_2d, load_3d, load_halves, load_rows, store_2d, tile_source_2d,
+                       tile_source_3d, tile_source_halves)
 
 ACT_SILU = 0
 ACT_GELU_TANH = 1
@@ -94,8 +95,12 @@ def _gate_up_kernel(
 ):
     """GEMM1: y[r, n] = act(x[tok(r)] . w13[e, n]) * (x[tok(r)] . w13[e, I + n]), M = sorted rows, N = I,
     K = H. Persistent grid (<= NUM_PROGRAMS,); one tile = one row block x BLOCK_N columns of BOTH the gate and
-    the up half (two accumulators), so the 2*I-wide pre-activation never reaches HBM; a program takes tiles
-    pid, pid + NUM_PROGRAMS, ... (a grid smaller than NUM_PROGRAMS means at most one tile each).
+    the up half, so the 2*I-wide pre-activation never reaches HBM; a program takes tiles pid, pid + NUM_PROGRAMS,
+    ... (a grid smaller than NUM_PROGRAMS means at most one tile each). Each K step loads the gate and up rows
+    as one [2*BLOCK_N, BLOCK_K] tile (:func:`hopperkern.tma.jit.load_halves`) and runs ONE dot into a
+    [BLOCK_M, 2*BLOCK_N] accumulator, split into its gate and up halves in the epilogue: on sm_90 at 128 x 128
+    tiles that is one m64n256 wgmma instead of two m64n128 ones (the hidden tile is read from shared memory once
+    per K step, not twice); the sums are the same, element by element.
 
     Token rows are gathered by index (pointer loads; TMA gather is sm_100 only). Padding rows gather nothing
     (masked to zero) and store act(0) * 0 = 0.
@@ -103,7 +108,7 @@ def _gate_up_kernel(
     SAVE_PRE (training): also store the gate and up pre-activations, rounded once to hidden's dtype, for the
     backward's activation gradient (:mod:`hopperkern.moe._backward_kernels`); padding rows store zeros."""
     chain_start(PDL_WAIT, PDL_TRIGGER)
-    w_src = tile_source_3d(w_ptr, E, 2 * I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
+    w_src = tile_source_halves(w_ptr, E, I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
     y_dst = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_N, Y_TMA)
     if SAVE_PRE:
         tl.static_assert(not DIRECT, "saving pre-activations needs a sorted plan (the backward walks its segments)")
@@ -116,17 +121,15 @@ def _gate_up_kernel(
         e, k_steps, slot, live, tok = _block_slots(pid_m, slots_ptr, block_expert_ptr, E, num_slots, top_k, H,
                                                    BLOCK_M, BLOCK_K, DIRECT)
         n0 = pid_n * BLOCK_N
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for kk in range(0, k_steps):
             k0 = kk * BLOCK_K
-            # K tail: both paths read zeros past H. Gate columns past I (when I % BLOCK_N != 0) read up rows
-            # (or zeros); those output columns are never stored.
+            # K tail: both paths read zeros past H; so do columns past I (when I % BLOCK_N != 0), which are
+            # never stored.
             x = load_rows(x_ptr, tok, live, k0, H, stride_xt, stride_xh, BLOCK_K, False)
-            wg = load_3d(w_src, e, n0, k0, 2 * I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
-            wu = load_3d(w_src, e, I + n0, k0, 2 * I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
-            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            w = load_halves(w_src, e, n0, k0, I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        acc_g, acc_u = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
         # A DIRECT block with a dropped id ran no K steps: it stores act(0) * 0 = 0, like a padding row.
         y = _activation(acc_g, ACT) * acc_u
         store_2d(y_dst, y.to(y_ptr.dtype.element_ty), pid_m * BLOCK_M, n0, num_rows, I, stride_ym, 1,

@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - a Triton without the CUDA extras
     pass
 
 __all__ = ["chain_start", "grouped_tile", "log_approx", "tile_source_2d", "load_2d", "store_2d", "tile_source_3d",
-           "load_3d", "store_3d", "load_rows"]
+           "load_3d", "store_3d", "tile_source_halves", "load_halves", "load_rows"]
 
 
 @triton.jit
@@ -66,12 +66,18 @@ def grouped_tile(tile, num_rows, num_cols, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _check_inner_box(ptr, INNER: tl.constexpr):
+    """Compile-time guard of every descriptor factory below: a TMA box's inner extent is at least 16 bytes."""
+    tl.static_assert(INNER * ptr.dtype.element_ty.primitive_bitwidth // 8 >= 16,
+                     "TMA box inner extent must be at least 16 bytes")
+
+
+@triton.jit
 def tile_source_2d(ptr, shape0, shape1, stride0, BLOCK0: tl.constexpr, BLOCK1: tl.constexpr,
                    USE_TMA: tl.constexpr):
     """A descriptor over a [shape0, shape1] matrix with unit inner stride when USE_TMA, else ``ptr``."""
     if USE_TMA:
-        tl.static_assert(BLOCK1 * ptr.dtype.element_ty.primitive_bitwidth // 8 >= 16,
-                         "TMA box inner extent must be at least 16 bytes")
+        _check_inner_box(ptr, BLOCK1)
         src = tl.make_tensor_descriptor(ptr, shape=[shape0, shape1], strides=[stride0, 1],
                                         block_shape=[BLOCK0, BLOCK1])
     else:
@@ -112,8 +118,7 @@ def tile_source_3d(ptr, shape0, shape1, shape2, stride0, stride1, BLOCK1: tl.con
     """A descriptor over a [shape0, shape1, shape2] tensor (e.g. expert weights [E, N, K]) with boxes
     [1, BLOCK1, BLOCK2] when USE_TMA, else ``ptr``."""
     if USE_TMA:
-        tl.static_assert(BLOCK2 * ptr.dtype.element_ty.primitive_bitwidth // 8 >= 16,
-                         "TMA box inner extent must be at least 16 bytes")
+        _check_inner_box(ptr, BLOCK2)
         src = tl.make_tensor_descriptor(ptr, shape=[shape0, shape1, shape2], strides=[stride0, stride1, 1],
                                         block_shape=[1, BLOCK1, BLOCK2])
     else:
@@ -148,6 +153,42 @@ def store_3d(dst, value, idx0, off1, off2, shape1, shape2, stride0, stride1, str
         base = dst + tl.cast(idx0, tl.int64) * stride0
         ptrs = base + r[:, None].to(tl.int64) * stride1 + c[None, :].to(tl.int64) * stride2
         tl.store(ptrs, value, mask=(r[:, None] < shape1) & (c[None, :] < shape2))
+
+
+@triton.jit
+def tile_source_halves(ptr, shape0, half, shape2, stride0, stride1, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
+                       USE_TMA: tl.constexpr):
+    """A tensor [shape0, 2 * half, shape2] (unit inner stride) whose middle dim holds two halves of ``half`` rows
+    (e.g. expert weights [E, 2I, H] with gate rows then up rows), for :func:`load_halves`: a descriptor over it
+    seen as [shape0, 2, half, shape2] with boxes [1, 2, BLOCK1, BLOCK2] when USE_TMA, else ``ptr``."""
+    if USE_TMA:
+        _check_inner_box(ptr, BLOCK2)
+        src = tl.make_tensor_descriptor(ptr, shape=[shape0, 2, half, shape2],
+                                        strides=[stride0, half * stride1, stride1, 1],
+                                        block_shape=[1, 2, BLOCK1, BLOCK2])
+    else:
+        src = ptr
+    return src
+
+
+@triton.jit
+def load_halves(src, idx0, off1, off2, half, shape2, stride0, stride1, stride2, BLOCK1: tl.constexpr,
+                BLOCK2: tl.constexpr, USE_TMA: tl.constexpr):
+    """Tile [2 * BLOCK1, BLOCK2] of slab ``idx0`` of a :func:`tile_source_halves` tensor: rows 0..BLOCK1-1 are
+    rows off1.. of the first half, rows BLOCK1.. the same rows of the second half (middle index half + off1..);
+    zeros for rows at or past ``half`` within a half and columns at or past ``shape2``, on both paths. One tile
+    feeds one dot where two [BLOCK1, BLOCK2] tiles would feed two."""
+    if USE_TMA:
+        tile = src.load([idx0, 0, off1, off2]).reshape(2 * BLOCK1, BLOCK2)
+    else:
+        j = tl.arange(0, 2 * BLOCK1)
+        second = (j >= BLOCK1).to(tl.int32)
+        r = off1 + j - second * BLOCK1
+        c = off2 + tl.arange(0, BLOCK2)
+        base = src + tl.cast(idx0, tl.int64) * stride0
+        ptrs = base + (second * half + r)[:, None].to(tl.int64) * stride1 + c[None, :].to(tl.int64) * stride2
+        tile = tl.load(ptrs, mask=(r[:, None] < half) & (c[None, :] < shape2), other=0.0)
+    return tile
 
 
 @triton.jit
