@@ -69,7 +69,7 @@ _DECODE_FUSED = [(128, 256, 3, False), (64, 256, 5, True), (32, 256, 8, True)]
 
 
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
-    """3-9 launch configs for one GEMM (1 = gate/up: two accumulators, 2 = down) at this block_m.
+    """3-9 launch configs for one GEMM (1 = gate/up: a paired gate-and-up accumulator, 2 = down) at this block_m.
 
     Decode sizes (block_m <= 32): :data:`_DECODE`, each with as many stages as fit. Prefill sizes
     (block_m >= 64) include flattened tile loops (the persistent kernels prefetch the next tile's K loads
