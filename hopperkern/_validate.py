@@ -5,6 +5,7 @@ These run on the host before any launch and use real exceptions (``assert`` vani
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -159,3 +160,24 @@ def check_choice(name: str, value, choices) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
     return value
+
+
+def first_order(what: str):
+    """Decorator of an autograd Function's backward (outside ``once_differentiable``) whose gradients are
+    first-order only: a backward with ``create_graph=True`` raises RuntimeError instead of returning gradients
+    that lack their own dependence on the inputs (``once_differentiable`` alone raises only where the incoming
+    gradient requires grad, not for ``loss.backward(create_graph=True)``, where a gradient penalty or a
+    Hessian-vector product through the op would silently drop its terms)."""
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{what}: double backward is not supported (a backward with create_graph=True): "
+                                   "this op's gradients are first-order only, and treating them as constants would "
+                                   "silently drop terms of the second-order result")
+            return backward(ctx, *grads)
+
+        return checked
+
+    return wrap

@@ -146,6 +146,11 @@ class MoeConfig(BaseModel):
     def _same_block_m(self):
         if self.gemm1.block_m != self.gemm2.block_m:
             raise ValueError(f"gemm1.block_m ({self.gemm1.block_m}) must equal gemm2.block_m ({self.gemm2.block_m})")
+        for gemm in ("gemm1", "gemm2"):  # the alignment's row blocks and tl.dot's smallest tile
+            cfg = getattr(self, gemm)
+            for name in ("block_m", "block_n", "block_k"):
+                if getattr(cfg, name) < 16:
+                    raise ValueError(f"{gemm}.{name} must be >= 16, got {getattr(cfg, name)}")
         return self
 
 

@@ -9,6 +9,7 @@ Sizes stay small for the interpreter: LCE N=12, V=70, H=40 (a tail in every tile
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -124,7 +125,10 @@ LCE_ERRORS = [
     (lce.LinearCrossEntropyLoss, dict(softcap=0.0), ValueError, "softcap must be > 0.0, got 0.0"),
     (lce.LinearCrossEntropyLoss, dict(temperature=0), ValueError, "temperature must be > 0.0, got 0"),
     (lce.LinearCrossEntropyLoss, dict(tma="fast"), ValueError, r"tma must be one of \('auto', 'always', 'never'\)"),
-    (lce.LinearCrossEntropyLoss, dict(check_labels=1), TypeError, "check_labels must be a bool or 'auto', got 1"),
+    (lce.LinearCrossEntropyLoss, dict(check_labels="yes"), ValueError,
+     "check_labels must be True, False or 'auto', got 'yes'"),
+    (lce.LinearLogprobsEntropy, dict(check_labels=None), ValueError,
+     "check_labels must be True, False or 'auto', got None"),
     (lce.LinearCrossEntropyLoss, dict(sft_path="2pass"), ValueError,
      r"sft_path must be one of \('auto', '3pass', 'chunked', '4pass'\), got '2pass'"),
     (lce.LinearCrossEntropyLoss, dict(sft_path="3pass", reduction="none"), ValueError,
@@ -138,6 +142,22 @@ LCE_ERRORS = [
 def test_lce_module_option_errors(cls, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         cls(**kwargs)
+
+
+@pytest.mark.parametrize("value", ["yes", None, 1, 0, True, "auto"])
+def test_lce_modules_take_check_labels_as_the_functions_do(value):
+    """A check_labels value the functions refuse, the modules refuse with the same error; one they take (0 and 1
+    for their truth value), the modules take."""
+    hidden, weight, labels = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    for cls, fn in ((lce.LinearCrossEntropyLoss, lce.linear_cross_entropy),
+                    (lce.LinearLogprobsEntropy, lce.linear_logprobs_entropy)):
+        try:
+            fn(hidden, weight, labels, check_labels=value, tma="never")
+        except ValueError as e:
+            with pytest.raises(ValueError, match=re.escape(str(e))):
+                cls(check_labels=value)
+        else:
+            cls(check_labels=value)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -163,6 +163,61 @@ def test_noncontiguous_inputs_by_strides(device):
     assert any("last stride" in r for r in d.reasons["w13"])
 
 
+def _strided_ids(ids):
+    """The same ids as a [T, k] view whose flat form has stride 2 (a column slice of a wider tensor)."""
+    wide = torch.stack([ids, torch.full_like(ids, 7)], -1)
+    return wide[..., 0]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("T", [1, 12], ids=["direct plan", "sorted plan"])
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_strided_topk_ids_views(T, mode, deterministic, device):
+    """topk_ids views that flatten to a non-unit stride (``ids[:, :1]``, or a slice of a wider tensor) give the
+    results of contiguous ids, forward and backward, with or without the fused top-k sum: the kernels index the
+    flat ids by slot, so the flat form must have unit stride."""
+    x, w13, w2, weights, ids = make_inputs(T, 4, 32, 16, 2, torch.float32, device, seed=11, drop=0.0)
+    for view in (_strided_ids(ids), ids[:, :1]):
+        tw = weights[:, :view.shape[1]]
+        assert view.reshape(-1).stride(0) != 1 or view.numel() <= 1 or view.shape[1] == 1
+        want = moe.fused_moe(x, w13, w2, tw, view.contiguous(), tma=mode, deterministic=deterministic)
+        check_against_reference(want, (x, w13, w2, tw, view.contiguous()))
+        got = moe.fused_moe(x, w13, w2, tw, view, tma=mode, deterministic=deterministic)
+        assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+        cfg = moe_configs.INTERPRETER_CONFIG.model_copy(update={"fused_topk": True})
+        got = moe.fused_moe(x, w13, w2, tw, view, tma=mode, config=cfg)
+        check_against_reference(got, (x, w13, w2, tw, view.contiguous()))
+        leaves = [t.clone().requires_grad_() for t in (x, w13, w2, tw)]
+        moe.fused_moe(*leaves, view, tma=mode, deterministic=deterministic).square().sum().backward()
+        ref_leaves = [t.clone().requires_grad_() for t in (x, w13, w2, tw)]
+        moe.fused_moe(*ref_leaves, view.contiguous(), tma=mode, deterministic=deterministic).square().sum().backward()
+        for a, b in zip(leaves, ref_leaves):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    plan = moe.moe_align(_strided_ids(ids), 4, 16)
+    assert torch.equal(plan.expert_counts, moe.moe_align(ids, 4, 16).expert_counts)
+
+
+def test_topk_sum_reads_strided_ids(device):
+    """An out-of-range id in a strided view still poisons its token (NaN), and the others sum the right rows."""
+    ids = torch.tensor([[0, 1], [2, 9]], device=device)
+    rows = torch.randn(4, 8, device=device)
+    out = moe.topk_sum(rows, _strided_ids(ids), 4)
+    assert torch.isnan(out[1]).all()
+    assert torch.allclose(out[0], rows[0] + rows[1])
+
+
+@pytest.mark.parametrize("gemm, field", [("gemm1", "block_n"), ("gemm2", "block_k"), ("gemm1", "block_m")])
+def test_moe_config_blocks_at_least_16(gemm, field):
+    """A config whose blocks tl.dot or the alignment cannot take is refused when it is made, before any launch."""
+    base = dict(block_m=16, block_n=32, block_k=32)
+    parts = {"gemm1": dict(base), "gemm2": dict(base)}
+    parts[gemm][field] = 8
+    if field == "block_m":
+        parts["gemm2"]["block_m"] = 8
+    with pytest.raises(ValueError, match=f"{gemm}.{field} must be >= 16, got 8"):
+        MoeConfig(gemm1=KernelConfig(**parts["gemm1"]), gemm2=KernelConfig(**parts["gemm2"]))
+
+
 @pytest.mark.parametrize("T", [1, 12], ids=["direct plan", "sorted plan"])
 def test_auto_reads_direct_plans_with_pointer_loads(T, device):
     """tma='auto' gives a direct plan (tiny batch) pointer loads, with the reason; a sorted plan keeps TMA;

@@ -276,8 +276,9 @@ def lce_combine_kernel(
     """Merge the S splits into per-token loss, log-prob, entropy and LSE. Grid (cdiv(N, BLOCK),).
 
     loss = lse - (1-eps) z_label - eps/V sum(z) + z_loss lse^2 on kept tokens (0 on ignored ones);
-    logprob = z_label - lse on kept tokens; entropy = lse - E_p[z] on all tokens (0 without NEED_T). A label
-    outside [0, V) that is not ignore_index makes all four NaN for its token.
+    logprob = z_label - lse on kept tokens (formed without rounding lse first, see below); entropy = lse - E_p[z]
+    on all tokens (0 without NEED_T). A label outside [0, V) that is not ignore_index makes all four NaN for its
+    token.
     """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -299,12 +300,20 @@ def lce_combine_kernel(
         if NEED_SUMZ:
             sz_tot += tl.load(sumz_ptr + idx, mask=ok, other=0.0)
     s_safe = tl.where(ok, s_tot, 1.0)
-    lse = mx + tl.log(s_safe)
+    log_s = tl.log(s_safe)
+    lse = mx + log_s
     labels = tl.load(labels_ptr + rows, mask=ok, other=ignore_index).to(tl.int64)
     kept = labels != ignore_index
     bad = kept & ((labels < 0) | (labels >= V))
-    lp = tl.where(kept, zlab - lse, 0.0)
-    loss = lse - (1.0 - label_smoothing) * zlab + z_loss * lse * lse
+    # log p = z_label - lse, formed without lse: lse is rounded to its own ulp (~4e-6 at 46), all of 1 - p for a
+    # confident prediction. q = s exp(mx - z_label) = sum_j exp(z_j - z_label) >= 1 in fp64 (exp(0) = 1 exactly
+    # where the label holds the max), log p = -log q: 1 - p keeps the precision of the sum s. Where q overflows
+    # (a label far below the max), the fp32 difference, whose rounding is then far below |log p|.
+    q = s_safe.to(tl.float64) * tl.exp(mx.to(tl.float64) - zlab.to(tl.float64))
+    lp_all = tl.where(q < 1e300, tl.minimum(-tl.log(q), 0.0).to(tl.float32), (zlab - mx) - log_s)
+    lp = tl.where(kept, lp_all, 0.0)
+    # lse - (1 - eps) z_label = -log p + eps z_label
+    loss = -lp_all + label_smoothing * zlab + z_loss * lse * lse
     if NEED_SUMZ:
         loss -= label_smoothing / V * sz_tot
     loss = tl.where(kept, loss, 0.0)
@@ -432,6 +441,13 @@ def lce_dlogits_kernel(
 
 
 @triton.jit
+def _pm1(logp):
+    """p - 1 = expm1(log p) of fp32 log-probs, formed in fp64 and rounded once to fp32: for a confident
+    prediction the whole label gradient, which fp32's exp(log p) - 1 would round to a multiple of 2^-24."""
+    return (tl.exp(logp.to(tl.float64)) - 1.0).to(tl.float32)
+
+
+@triton.jit
 def lce_onehot_kernel(
     labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr,  # as in lce_dlogits_kernel
     logprob_ptr,  # [N] fp32 log p of the label from the forward (z_label - lse, formed once in fp32)
@@ -450,8 +466,10 @@ def lce_onehot_kernel(
     gradient at the label (the spacing just below 1 is 4.9e-4 in fp16, 3.9e-3 in bf16). p = exp(logprob) takes
     the forward's fp32 log-prob rather than exp(z - lse) of a re-added z, so p - 1 does not inherit the rounding
     of logprob + lse; z = logprob + lse only feeds the entropy term B z and the softcap factor, where its
-    ~ulp(lse) error is harmless. What remains is the log-prob's own absolute error (fp32 sums of size ~|z|,
-    ~1e-6), i.e. a relative error of ~1e-6 / (1 - p) in p - 1.
+    ~ulp(lse) error is harmless. What remains is the log-prob's own error: lce_combine_kernel forms it as
+    -log(s exp(m - z_label)) in fp64, not as z_label - lse (rounded to ulp(lse), ~4e-6 at 46, which can hold all of
+    1 - p), so it carries the rounding of the fp32 sum s of exponentials near 1 (~1e-7, as PyTorch's fp32
+    softmax does): a relative error of ~1e-7 / (1 - p) in p - 1.
     """
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -463,10 +481,15 @@ def lce_onehot_kernel(
     # another rank's shard holds (hopperkern.lce.distributed).
     here = row_ok & (labels != ignore_index) & (col >= 0) & (col < ncols)
     logp = tl.load(logprob_ptr + rows, mask=here, other=0.0)
-    p = tl.exp(logp)
     z = logp + lse
-    # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32.
-    dz = _dz(p, z, a * inv_temp, b * inv_temp, d * inv_temp + c * inv_temp, softcap, inv_temp, SOFTCAP)
+    # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32, with
+    # p (A + B z) = (p - 1)(A + B z) + (A + B z): for a plain loss gradient A + C = 0 exactly, and the entry is
+    # (p - 1) A from p - 1 itself.
+    coef = (a + b * z) * inv_temp
+    dz = _pm1(logp) * coef + (coef + (c + d) * inv_temp)
+    if SOFTCAP:
+        th = z / (softcap * inv_temp)
+        dz = dz * (1.0 - th * th)
     tl.store(d_ptr + rows.to(tl.int64) * stride_dn + col, dz.to(d_ptr.dtype.element_ty), mask=here)
 
 
@@ -492,9 +515,11 @@ def _sft_dz(p, z, col0, labels, kept, logp, a, c, d, softcap, inv_temp, BLOCK_V:
     """dz = (p A + C [j == label] + D) / T (* (1 - tanh^2)) of a 3-pass tile in fp32, with p at the label taken
     from the fp32 log-prob (so that p - 1 of a confident prediction keeps its precision)."""
     at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
-    p = tl.where(at_label, tl.exp(logp)[:, None], p)
-    d_t = (d * inv_temp)[:, None] + tl.where(at_label, (c * inv_temp)[:, None], 0.0)
-    return _dz(p, z, (a * inv_temp)[:, None], 0.0, d_t, softcap, inv_temp, SOFTCAP)
+    a_t = (a * inv_temp)[:, None]
+    # At the label p A = (p - 1) A + A (see lce_onehot_kernel): A + C there.
+    p = tl.where(at_label, _pm1(logp)[:, None], p)
+    d_t = (d * inv_temp)[:, None] + tl.where(at_label, a_t + (c * inv_temp)[:, None], 0.0)
+    return _dz(p, z, a_t, 0.0, d_t, softcap, inv_temp, SOFTCAP)
 
 
 @triton.jit
@@ -574,8 +599,8 @@ def lce_sft_rowscale_kernel(
     rho = tl.where(kept, g * a * inv_temp * tl.exp(tl.where(kept, c - lse, 0.0)), 0.0)
     tl.store(rho_ptr + rows, tl.where(flagged, 1.0, rho), mask=row_ok)
     here = kept & (~flagged) & (labels >= 0) & (labels < V)
-    p = tl.exp(tl.load(logprob_ptr + rows, mask=here, other=0.0))
-    entry = (p - 1.0 / tl.where(here, a, 1.0)) * tl.exp(tl.where(here, lse - c, 0.0))
+    pm1 = _pm1(tl.load(logprob_ptr + rows, mask=here, other=0.0))
+    entry = (pm1 + (1.0 - 1.0 / tl.where(here, a, 1.0))) * tl.exp(tl.where(here, lse - c, 0.0))
     tl.store(e_ptr + rows.to(tl.int64) * stride_en + labels, entry.to(e_ptr.dtype.element_ty), mask=here)
 
 
@@ -671,7 +696,8 @@ def lce_exp_dlogits_kernel(
     d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
     e = load_2d(d_src, row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA).to(tl.float32)
     at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
-    p = tl.where(at_label, tl.exp(logp)[:, None], e * tl.exp(mt - lse)[:, None])
+    # At the label p coef = (p - 1) coef + coef (see lce_onehot_kernel).
+    p = tl.where(at_label, _pm1(logp)[:, None], e * tl.exp(mt - lse)[:, None])
     coef = a[:, None]
     if HAS_GE:
         # Only normal e take the logarithm (log_approx's domain; compiled tl.log takes libdevice's flush-to-zero
@@ -681,7 +707,7 @@ def lce_exp_dlogits_kernel(
         z = tl.where(normal, mt[:, None] + log_approx(tl.where(normal, e, 1.0), APPROX_MATH), 0.0)
         z = tl.where(at_label, (logp + lse)[:, None], z)
         coef = coef + b[:, None] * z
-    dz = (p * coef + d[:, None] + tl.where(at_label, c[:, None], 0.0)) * inv_temp
+    dz = (p * coef + d[:, None] + tl.where(at_label, coef + c[:, None], 0.0)) * inv_temp
     # Rows >= N and columns >= V are clipped by the store on both paths.
     o_dst = tile_source_2d(out_ptr, N, V, stride_on, BLOCK_N, BLOCK_V, D_TMA)
     store_2d(o_dst, dz.to(out_ptr.dtype.element_ty), row0, col0, N, V, stride_on, 1, BLOCK_N, BLOCK_V, D_TMA)

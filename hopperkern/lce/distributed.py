@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from .._validate import first_order
 from ..tma import launch_context
 from .launch import LceOptions, check_labels, combine_stats, lce_backward, lce_forward
 
@@ -193,6 +194,7 @@ class _VocabParallelLce(torch.autograd.Function):
         return outs
 
     @staticmethod
+    @first_order("hopperkern.lce (vocab-parallel)")
     @once_differentiable
     def backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
         hidden2d, weight, bias, local, lse, entropy, logprob = ctx.saved_tensors

@@ -192,7 +192,10 @@ def forward_plan(N: int, V: int, cfg: KernelConfig, sm_count: int, weigh_waves: 
     gained 1 to 5 % with more waves (from 8192 tokens) the A/B was level to 1.4 % slower, and the SFT and RL steps
     whose 3-pass forwards store every exponential took 0.98 to 1.02 x at ~2k tokens: both keep the cap's plan.
     Earlier: at 2169 x 896 and 1937 x 3584, 4 waves of ~4.8k-column splits beat 20 waves of 1k-column ones by
-    7-10 %; at 8192 x 4096, 12 and 30 tiles of 256 per split were within 1.3 %.
+    7-10 %; at 8192 x 4096, 12 and 30 tiles of 256 per split were within 1.3 %. On the H100 (same run, power-capped
+    at ~700 W, where cuBLAS slows alike), 16 to 45 splits instead of the cap's 11 at 32768 x 4096 x 128256, and 31
+    or 45 instead of 21 at 16384 x 3584 x 152064, took 0.97 to 1.02 x the cap's time: its gap to cuBLAS there does
+    not come from the split count.
     """
     num_rb = cdiv(N, cfg.block_m)
     num_vt = cdiv(V, cfg.block_n)

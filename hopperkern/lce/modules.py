@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validate import check_choice, check_float
+from .._validate import check_choice, check_float, sync_check
 from ..tma import TMA_MODES
 from .api import linear_cross_entropy, linear_logprobs_entropy
 from .rl import GRAD_PATHS
@@ -26,8 +26,7 @@ def _check_common(ignore_index, temperature, tma, check_labels) -> None:
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_float("temperature", temperature, low=0.0, low_open=True)
     check_choice("tma", tma, TMA_MODES)
-    if not (isinstance(check_labels, bool) or check_labels == "auto"):
-        raise TypeError(f"check_labels must be a bool or 'auto', got {check_labels!r}")
+    sync_check("check_labels", check_labels, torch.empty(0))  # as the functions check it (ValueError)
 
 
 class LinearCrossEntropyLoss(nn.Module):

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._validate import first_order
 from ..tma import launch_context
 from .launch import LceOptions, check_labels, lce_backward, lce_forward
 from .rl import stored_config as rl_stored_config
@@ -168,6 +169,7 @@ class LceFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("hopperkern.lce")
     @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
     def backward(ctx, g_loss, g_logprob, g_entropy, g_lse):
         dh, dw, db = _grads(ctx, _backward_grads, g_loss, g_logprob, g_entropy, g_lse)
@@ -196,6 +198,7 @@ class LceReducedFunction(torch.autograd.Function):
         return total
 
     @staticmethod
+    @first_order("hopperkern.lce")
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         if g is None:
@@ -297,6 +300,7 @@ class LceSftFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("hopperkern.lce")
     @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
     def backward(ctx, g_loss, *_):
         dh, dw, db = _sft_grads(ctx, lce_sft_backward_impl, g_loss)
@@ -402,6 +406,7 @@ class LceSftChunkedFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("hopperkern.lce")
     @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
     def backward(ctx, g_loss, *_):
         return _sft_chunked_grads(ctx, _sft_chunked_backward_eager, g_loss)
@@ -550,6 +555,7 @@ class LceRlFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("hopperkern.lce")
     @torch.autograd.function.once_differentiable  # as the op: a double backward raises, never drops a term
     def backward(ctx, g_loss, g_logprob, g_entropy, g_lse, _e, _mt):
         return _rl_grads(ctx, _rl_backward_eager, g_loss, g_logprob, g_entropy, g_lse) + (None,) * 6

@@ -10,6 +10,12 @@ reduction dim.
 
 ONE body per GEMM serves both memory paths: weights come through 3-D tensor descriptors (boxes [1, BN, BK])
 or pointer loads, switched by constexpr flags chosen on the host by :func:`hopperkern.tma.decide`.
+
+Decode (direct plans) streams each routed expert's weights once, gate/up then down. Asking L2 for the down
+weights from the gate/up kernel (sm_90's bulk prefetch of each expert's w2 slab, dealt over its programs, with or
+without the evict-last hint) made 1- and 4-token calls 1.09-1.21 x slower on the H100 at all five PERF.md shapes,
+bitwise the same outputs: the gate/up stream already takes the memory bandwidth, so what the down GEMM gains from
+L2 the gate/up GEMM loses. The kernels do not prefetch.
 """
 
 import triton

@@ -35,8 +35,8 @@ from ..tma import interpreter_active, launch_context
 from ..tma.launcher import Launch, run_steps
 from ._align_kernels import _align_count_kernel, _align_place_kernel, _align_scan_kernel, _align_small_kernel
 
-__all__ = ["AlignPlan", "align_steps", "direct_plan", "empty_plan", "max_blocks_for", "moe_align", "plan_tensors", "prefer_direct",
-           "scratch_shapes", "scratch_tensors"]
+__all__ = ["AlignPlan", "align_steps", "direct_plan", "empty_plan", "flat_ids", "max_blocks_for", "moe_align",
+           "plan_tensors", "prefer_direct", "scratch_shapes", "scratch_tensors"]
 
 # Up to this many slots the whole plan is one launch (_one_launch). Measured on the H200 (graph-timed fused_moe,
 # same-run A/B): at 2048 slots (256 tokens, top-8) the one launch is 1.3-1.8 % faster than the four (now three) of the
@@ -111,6 +111,15 @@ def prefer_direct(T: int, top_k: int, num_experts: int) -> bool:
     return T == 1 or 4 * T * top_k <= num_experts
 
 
+def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """``topk_ids`` [T, k] as the flat [T*k] unit-stride vector the kernels index by slot: a view where one
+    exists, else a copy (T*k integers). ``reshape(-1)`` alone is not enough: it returns a strided view where the
+    strides allow one (a column slice ``ids[:, :1]`` flattens with stride 2), which a kernel reading
+    ``ids + slot`` would misread."""
+    ids = topk_ids.reshape(-1)
+    return ids if ids.numel() <= 1 or ids.stride(0) == 1 else ids.contiguous()
+
+
 def direct_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPlan:
     """A plan without alignment: row block b holds slot b alone (row b*block_m; the other rows are padding),
     its expert read from ``topk_ids`` inside the GEMMs (ids outside [0, E), e.g. -1, skip their block).
@@ -122,7 +131,7 @@ def direct_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     empty = torch.empty(0, dtype=torch.int32, device=topk_ids.device)
     return AlignPlan(sorted_slots=empty, block_expert=empty, expert_offsets=empty, expert_counts=empty,
                      num_blocks=empty, block_m=block_m, max_blocks=T * k, num_slots=T * k, top_k=k,
-                     num_experts=int(num_experts), direct_ids=topk_ids.reshape(-1))
+                     num_experts=int(num_experts), direct_ids=flat_ids(topk_ids))
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -149,7 +158,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignPl
         plan.num_blocks.zero_()
         return plan
     with launch_context(topk_ids, "moe.moe_align"):
-        ids = topk_ids.reshape(-1)  # copies only strided ids
+        ids = flat_ids(topk_ids)
         env = dict(ids=ids, **plan_tensors(plan), **scratch_tensors(num_slots, E, dev))
         run_steps(align_steps(env, num_slots, E, block_m, max_blocks), env)
     return plan

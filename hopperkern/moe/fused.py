@@ -61,8 +61,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
             out[t] += topk_weights[t, j] * (act(x @ w13[e, :I].T) * (x @ w13[e, I:].T)) @ w2[e].T
 
     hidden [T, H]; w13 [E, 2*I, H] (rows 0..I-1 gate, I..2I-1 up); w2 [E, H, I]; all one dtype (fp16, bf16,
-    fp32; fp32 accumulation, fp32 inputs multiply in full fp32); topk_weights [T, k] float (any float dtype);
-    topk_ids [T, k] int32/int64 in [-1, E), -1 dropping that slot (expert parallel). Returns [T, H] in
+    fp32; fp32 accumulation, fp32 inputs multiply in full fp32); topk_weights [T, k] fp16, bf16 or fp32
+    (whatever hidden's dtype); topk_ids [T, k] int32/int64 in [-1, E), -1 dropping that slot (expert parallel),
+    any strides (a flat copy of T*k ids where they do not flatten to unit stride). Returns [T, H] in
     hidden's dtype. The intermediate act(gate) * up is stored once, in hidden's dtype, in expert-sorted order.
 
     Differentiable with respect to hidden, w13, w2 and topk_weights (so the router logits get their gradient
@@ -81,10 +82,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     see :func:`hopperkern.tma.decide`; decisions are recorded as "moe.gemm1" and "moe.gemm2", and for the
     backward "moe.backward.dgate_up", "moe.backward.d_hidden", "moe.backward.d_w13", "moe.backward.d_w2").
     check_ids: "auto" (default): no host sync on a GPU; a token with an id outside [-1, E) gets a NaN output
-    row (and NaN d_hidden and d_topk_weights), never a plausible row lacking an expert; where the check costs no
-    sync (CPU tensors) it raises ValueError. True: validate on the host first (one device->host sync; not under
-    CUDA-graph capture), raising ValueError naming the bad ids. False: never check. Nothing else synchronises,
-    forward or backward.
+    row (and NaN d_hidden, and NaN d_topk_weights for that slot), never a plausible row lacking an expert;
+    where the check costs no sync (CPU tensors) it raises ValueError. True: validate on the host first (one
+    device->host sync; not under CUDA-graph capture), raising ValueError naming the bad ids. False: never
+    check. Nothing else synchronises, forward or backward.
     deterministic: True (default) stores each slot's weighted row once (hidden's dtype) and sums the k rows
     of a token in a fixed order, in fp32: bitwise reproducible. False adds the rows with fp32 atomics into a
     [T, H] fp32 buffer, then casts: no [T*k, H] round trip, but the add order (so the last bits) varies run to

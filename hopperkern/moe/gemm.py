@@ -21,7 +21,7 @@ from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
 from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
 from ..tma.launcher import Launch, run_steps
-from .align import AlignPlan
+from .align import AlignPlan, flat_ids
 from .configs import atomic_config, chain_decode, num_programs
 
 __all__ = ["ACTIVATIONS", "down", "gate_up", "slot_gemm_sum", "topk_sum"]
@@ -190,7 +190,7 @@ def slot_gemm_sum(a: torch.Tensor, w: torch.Tensor, topk_weights: torch.Tensor |
     _check_plan(plan, config, what)
     n_out = w.shape[2] if w_kn else w.shape[1]
     T, k = topk_ids.shape
-    env = dict(inter=a, w2=w, tw=topk_weights if topk_weights is not None else a, ids=topk_ids.reshape(-1),
+    env = dict(inter=a, w2=w, tw=topk_weights if topk_weights is not None else a, ids=flat_ids(topk_ids),
                **plan_env(plan))
     env["buf"] = torch.empty(slot_buffer_shape(T, k, n_out, deterministic), dtype=out_dtype if deterministic
                              else torch.float32, device=a.device)
@@ -284,7 +284,7 @@ def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
     out = torch.empty((T, H), dtype=out_dtype or slot_rows.dtype, device=slot_rows.device)
     if T == 0 or H == 0:
         return out
-    env = dict(buf=slot_rows, ids=topk_ids.reshape(-1), out=out)
+    env = dict(buf=slot_rows, ids=flat_ids(topk_ids), out=out)
     with _tma.launch_context(slot_rows, "moe.topk_sum"):
         run_steps([topk_sum_step(env, "buf", "out", num_experts, T, k, H, block_h=block_h)], env)
     return out

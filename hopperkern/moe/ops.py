@@ -23,7 +23,8 @@ from ..tma import decide, interpreter_active, launch_context, record_decision
 from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, launch_state, run_direct, run_steps
 from ..tma.launcher import PIECE_ALIGN, scratch_offsets
 from ..tuning import KernelConfig, MoeConfig, device_config
-from .align import AlignPlan, align_steps, direct_plan, empty_plan, moe_align, prefer_direct, scratch_shapes
+from .align import (AlignPlan, align_steps, direct_plan, empty_plan, flat_ids, moe_align, prefer_direct,
+                    scratch_shapes)
 from .backward import moe_backward
 from .configs import chain_decode, moe_launch_config
 from .gemm import direct_pointer_reason, down_direct_step, gate_up_step, slot_buffer_shape, slot_steps
@@ -257,7 +258,7 @@ class ForwardPlan(Plan):
         to make), every step through its C launcher. The output, or None when a launch refused its tensors
         (nothing of this call is then relied on: the caller runs every step again the usual way)."""
         dev = hidden.device
-        ids = topk_ids if self.ids_flat else topk_ids.reshape(-1)
+        ids = topk_ids if self.ids_flat else flat_ids(topk_ids)
         env = dict(hidden=hidden, w13=w13, w2=w2, tw=topk_weights, ids=ids)
         if self.direct:
             env["slots"] = env["block_expert"] = env["num_blocks"] = ids
@@ -279,7 +280,7 @@ class ForwardPlan(Plan):
         the first): scratch as flat views of as few allocations as possible (kernels read base pointers only;
         shapes and strides are fixed in the launches)."""
         dev, dt = hidden.device, hidden.dtype
-        ids = topk_ids if self.ids_flat and not shaped else topk_ids.reshape(-1)
+        ids = topk_ids if self.ids_flat and not shaped else flat_ids(topk_ids)
         env = dict(hidden=hidden, w13=w13, w2=w2, tw=topk_weights, ids=ids)
         if self.direct:
             env.update(slots=ids, block_expert=ids, num_blocks=ids)
