@@ -84,6 +84,9 @@ class TuningFileError(ValueError):
     """A tuning file that cannot be used; the message names the file and the field."""
 
 
+MIN_TILE = 16  # the least tile dim of a KernelConfig: Triton's tl.dot takes K >= 16 on NVIDIA GPUs
+
+
 def _pow2(v: int, name: str) -> int:
     if v <= 0 or v & (v - 1):
         raise ValueError(f"{name} must be a power of two, got {v}")
@@ -106,7 +109,10 @@ class KernelConfig(BaseModel):
     @field_validator("block_m", "block_n", "block_k")
     @classmethod
     def _tiles_pow2(cls, v, info):
-        return _pow2(v, info.field_name)
+        v = _pow2(v, info.field_name)
+        if v < MIN_TILE:  # every tile dim is some kernel's tl.dot dim (K >= 16 on the GPU) or MoE row block
+            raise ValueError(f"{info.field_name} must be >= {MIN_TILE}, got {v}")
+        return v
 
     @field_validator("group_m")
     @classmethod
@@ -146,11 +152,6 @@ class MoeConfig(BaseModel):
     def _same_block_m(self):
         if self.gemm1.block_m != self.gemm2.block_m:
             raise ValueError(f"gemm1.block_m ({self.gemm1.block_m}) must equal gemm2.block_m ({self.gemm2.block_m})")
-        for gemm in ("gemm1", "gemm2"):  # the alignment's row blocks and tl.dot's smallest tile
-            cfg = getattr(self, gemm)
-            for name in ("block_m", "block_n", "block_k"):
-                if getattr(cfg, name) < 16:
-                    raise ValueError(f"{gemm}.{name} must be >= 16, got {getattr(cfg, name)}")
         return self
 
 
@@ -306,12 +307,14 @@ def packaged_config_dirs() -> list[Path]:
 def _parse_file(path: Path, named: bool) -> TuningConfig:
     """Read and validate ``path``; ``named``: the file was found by its name, so its ``device_name`` must match."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TuningFileError(f"{path}: cannot read tuning file: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise TuningFileError(f"{path}: not UTF-8 text (a tuning file is UTF-8 JSON): {exc}") from exc
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, and the parser's other limits
         raise TuningFileError(f"{path}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise TuningFileError(f"{path}: top level must be a JSON object, got {type(data).__name__}")

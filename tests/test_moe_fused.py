@@ -206,16 +206,12 @@ def test_topk_sum_reads_strided_ids(device):
     assert torch.allclose(out[0], rows[0] + rows[1])
 
 
-@pytest.mark.parametrize("gemm, field", [("gemm1", "block_n"), ("gemm2", "block_k"), ("gemm1", "block_m")])
-def test_moe_config_blocks_at_least_16(gemm, field):
-    """A config whose blocks tl.dot or the alignment cannot take is refused when it is made, before any launch."""
-    base = dict(block_m=16, block_n=32, block_k=32)
-    parts = {"gemm1": dict(base), "gemm2": dict(base)}
-    parts[gemm][field] = 8
-    if field == "block_m":
-        parts["gemm2"]["block_m"] = 8
-    with pytest.raises(ValueError, match=f"{gemm}.{field} must be >= 16, got 8"):
-        MoeConfig(gemm1=KernelConfig(**parts["gemm1"]), gemm2=KernelConfig(**parts["gemm2"]))
+@pytest.mark.parametrize("field", ["block_m", "block_n", "block_k"])
+def test_kernel_config_blocks_at_least_16(field):
+    """A config whose tiles tl.dot (K >= 16 on the GPU) or the MoE alignment cannot take is refused when it is made,
+    before any launch."""
+    with pytest.raises(ValueError, match=f"{field} must be >= 16, got 8"):
+        KernelConfig(**{**dict(block_m=16, block_n=32, block_k=32), field: 8})
 
 
 @pytest.mark.parametrize("T", [1, 12], ids=["direct plan", "sorted plan"])

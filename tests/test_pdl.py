@@ -125,9 +125,10 @@ def test_a_bad_hopperkern_pdl_raises_before_any_launch(monkeypatch):
     real = module.capability
     monkeypatch.setattr(module, "capability", lambda device=None: dataclasses.replace(real(device), pdl=True))
     monkeypatch.setenv("HOPPERKERN_PDL", "maybe")
-    x, w13, w2, weights, ids = moe_inputs(2, E=8)
-    with pytest.raises(ValueError, match="HOPPERKERN_PDL"):
-        moe_ops.ForwardPlan(x, w13, w2, weights, ids, "silu", "never", True, None, moe_ops.SAVE_NONE)
+    for T in (2, 80):  # chained (decode) and unchained sizes alike
+        x, w13, w2, weights, ids = moe_inputs(T, E=8)
+        with pytest.raises(ValueError, match="HOPPERKERN_PDL"):
+            moe_ops.ForwardPlan(x, w13, w2, weights, ids, "silu", "never", True, None, moe_ops.SAVE_NONE)
 
 
 def test_hopperkern_pdl_is_part_of_every_plan_key(monkeypatch):

@@ -568,6 +568,21 @@ def test_malformed_file_names_file_and_field(bad, tmp_path):
         load_config(p)
 
 
+@pytest.mark.parametrize("data", [b'{"schema_version": 1, "device_name": "\xff\xfe"}',
+                                  '{"schema_version": 1}'.encode("utf-16"), b"[" * 100000],
+                         ids=["latin-1 bytes", "utf-16", "nested past the parser's depth"])
+def test_unreadable_text_is_a_tuning_file_error(data, tmp_path, monkeypatch):
+    """A file that is not UTF-8, or that the JSON parser cannot take, is a TuningFileError naming it, not a bare
+    UnicodeDecodeError or RecursionError; as the closest file for a GPU without one, it is passed over."""
+    p = tmp_path / "NVIDIA_H800.json"
+    p.write_bytes(data)
+    with pytest.raises(TuningFileError, match=re.escape(str(p))):
+        load_config(p)
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
+    with pytest.warns(UserWarning, match="NVIDIA_H800.json"):
+        load_config("NVIDIA H800 PCIe")
+
+
 def test_malformed_file_is_an_error_through_lookup_too(tmp_path, monkeypatch):
     """A bad file found by device name must raise, not fall back to defaults silently."""
     _write(tmp_path / "NVIDIA_H200.json", "{")

@@ -149,11 +149,13 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     unsharded call's result (to fp32 summation order): label smoothing spreads eps over the global V, z-loss
     and "mean" (over the kept tokens, the same on every rank) are those of the whole head. Per call: one
     all-gather of (V_r, N, H) per rank with one host sync (each rank's vocab offset; ranks whose N or H differ
-    raise ValueError together), then two all-reduces on O(N) fp32 data (the per-token max, then the sums of
-    exp, entropy terms, logits and the label's logit). The backward all-reduces (sums) d_hidden once as fp32
-    [N, H] on every rank, then rounds it to hidden's dtype; d_weight and d_bias are this shard's, local. The
-    upstream gradient must be the same on every rank. No logits or weights are gathered: memory per rank is the
-    unsharded op's on the shard plus O(N). Under torch.compile this path runs eagerly (not traced). See
+    raise ValueError together), one all-reduce of an error flag after the local launch (one more host sync: an
+    error on one rank raises on all), then two all-reduces on O(N) fp32 data (the per-token max, then the sums
+    of exp, entropy terms, logits and the label's logit). The backward all-reduces the same flag (one host
+    sync), then sums d_hidden once as fp32 [N, H] on every rank and rounds it to hidden's dtype; d_weight and
+    d_bias are this shard's, local. The upstream gradient must be the same on every rank. No logits or weights
+    are gathered: memory per rank is the unsharded op's on the shard plus O(N). Under torch.compile this path
+    runs eagerly behind a graph break (not traced; ``fullgraph=True`` refuses it). See
     :mod:`hopperkern.lce.distributed`. Meant for gloo (CPU tensors) and NCCL (CUDA tensors); tested so far only on
     CPUs with gloo under Triton's interpreter, not yet with NCCL on GPUs.
     """
@@ -224,9 +226,11 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     ``process_group``: a ``torch.distributed.ProcessGroup`` over which the head is vocab-parallel, as for
     :func:`linear_cross_entropy`: ``weight`` holds this rank's contiguous rows (shards in rank order, uneven or
     empty ones allowed), labels are global ids, and every rank gets the unsharded call's log-probs and entropies
-    (to fp32 summation order). One all-gather of the shard sizes (one host sync) and two all-reduces on O(N) fp32
-    data per call; the backward all-reduces d_hidden (fp32 [N, H], summed) and keeps d_weight local. Not traced
-    by torch.compile (runs eagerly). Tested so far on CPUs with gloo under Triton's interpreter only, not with NCCL.
+    (to fp32 summation order). One all-gather of the shard sizes and an error flag's all-reduce (a host sync
+    each), and two all-reduces on O(N) fp32 data per call; the backward all-reduces the flag (a host sync) and
+    d_hidden (fp32 [N, H], summed) and keeps d_weight local. Not traced by torch.compile (runs eagerly behind a
+    graph break; ``fullgraph=True`` refuses it). Tested so far on CPUs with gloo under Triton's interpreter only,
+    not with NCCL.
 
     ``grad_path``: "auto" | "3pass" | "4pass": how a differentiable call computes its gradients. "3pass": the
     forward also keeps the exponentials of the logits it computes anyway, N x V in the inputs' dtype, until the

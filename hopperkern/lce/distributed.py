@@ -18,7 +18,8 @@ One call, in order (collectives on the inputs' device: gloo for CPU tensors, NCC
 2. The local forward kernel over the shard, with labels mapped to shard columns (``label - offset`` inside the
    shard, a negative id when another rank holds the label or the token is ignored: such labels pick no logit),
    gives per-split statistics: max m, sum exp(z - m), sum exp(z - m) z (entropy), sum z (label smoothing) and
-   the label's logit (0 on every rank but the one holding the label).
+   the label's logit (0 on every rank but the one holding the label). Then an all-reduce MAX of one int, read
+   on the host (one sync): a rank whose local launch raised makes every rank raise (:func:`_raise_together`).
 3. all-reduce MAX of the per-token local max -> M, fp32 [N].
 4. all-reduce SUM of one fp32 [k, N] block (k = 2..4): sum exp(z - M), [sum exp(z - M) z], [sum z], z_label.
    z_label is exact (one rank adds it, the others add 0).
@@ -28,13 +29,16 @@ One call, in order (collectives on the inputs' device: gloo for CPU tensors, NCC
 Backward: each rank runs the local backward on its shard with the GLOBAL lse, entropy and log-prob (the
 per-token d(logits) needs nothing else; only the rank holding a token's label writes the label column's p - 1
 term) -> d_weight and d_bias of its shard, local, and a partial d_hidden over its columns, summed in fp32 by ONE
-all-reduce SUM of fp32 [N, H] and then rounded once to hidden's dtype. The upstream gradients must be the same
-on every rank (as when every rank computes the same loss from the replicated outputs).
+all-reduce SUM of fp32 [N, H] and then rounded once to hidden's dtype, after the same one-int error all-reduce
+(one host sync) as the forward's. The upstream gradients must be the same on every rank (as when every rank
+computes the same loss from the replicated outputs).
 
-Costs per call: forward O(N) words per collective (plus 3 words per rank in the gather), backward 4 N H bytes.
+Costs per call: forward one all-gather and three all-reduces (the error flag's int, then O(N) words twice) with
+two host syncs; backward two all-reduces (the flag, then 4 N H bytes) with one host sync.
 Memory per rank: the local op's (O(S N) forward statistics; the backward's fp32 [N, H] and one d(logits) slice)
 plus O(N) for the merged statistics. torch.compile does not trace into this path (:func:`vocab_parallel_forward`
-is ``torch.compiler.disable``-d): a compiled caller runs it eagerly (with torch 2.13 also under ``fullgraph=True``).
+is ``torch.compiler.disable``-d): a compiled caller runs it eagerly behind a graph break, so ``fullgraph=True``
+refuses it (torch 2.13's dynamo raises that it skips a disabled function); compile without ``fullgraph``.
 
 An error that only some ranks raise (e.g. ``tma="always"`` where only one shard's rows cannot use TMA) leaves
 the other ranks waiting in the next collective until the group's timeout; what can differ between ranks and be

@@ -46,7 +46,8 @@ def chain_decode(steps, tokens: int, device):
     """``steps`` chained with programmatic dependent launch (:func:`hopperkern.tma.launcher.chain_launches`) when
     the call has at most :data:`PDL_MAX_TOKENS` tokens and PDL is on for ``device``; else left in plain stream
     order. Returns ``steps``."""
-    return chain_launches(steps, tokens <= PDL_MAX_TOKENS and pdl_enabled(device))
+    enabled = pdl_enabled(device)  # first: a bad HOPPERKERN_PDL raises at every size, not only where it matters
+    return chain_launches(steps, tokens <= PDL_MAX_TOKENS and enabled)
 
 
 def pick_block_m(T: int, top_k: int, E: int) -> int:
