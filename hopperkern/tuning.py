@@ -391,7 +391,8 @@ class ConfigSearch(NamedTuple):
     order; ``why``: how it got there, in words (``python -m hopperkern.info`` shows it); ``closest_to``: when
     ``path`` is the closest file of the same architecture, the device whose own file is missing; ``named``:
     whether ``path`` was chosen by its name (its ``device_name`` must then match it); ``listed``: the folders
-    whose file lists the closest-file search read; ``arch``: ``"sm_90"``-style architecture of a closest file."""
+    whose file lists the closest-file search read; ``arch``: ``"sm_90"``-style architecture of a closest file;
+    ``passed_over``: the closer candidates that search skipped as invalid tuning files, as (path, mtime_ns)."""
 
     path: Optional[Path]
     looked: list
@@ -400,6 +401,7 @@ class ConfigSearch(NamedTuple):
     named: bool = False
     listed: tuple = ()
     arch: str = ""
+    passed_over: tuple = ()
 
 
 def _folders(env: Optional[str]) -> list[Path]:
@@ -408,8 +410,8 @@ def _folders(env: Optional[str]) -> list[Path]:
 
 
 def _closest_file(device: str, folders: list[Path]):
-    """(file or None, folders listed, compute capability) of the closest file of ``device``'s architecture in
-    ``folders`` (:func:`hopperkern.tma.capability.closest_devices`)."""
+    """(file or None, folders listed, compute capability, candidates passed over as (path, mtime_ns)) of the
+    closest file of ``device``'s architecture in ``folders`` (:func:`hopperkern.tma.capability.closest_devices`)."""
     from .tma.capability import capability, closest_devices, known_compute_capability, normalize_device_name
 
     cc = sms = None
@@ -428,15 +430,17 @@ def _closest_file(device: str, folders: list[Path]):
                 files.setdefault(f.stem, f)  # an earlier folder wins, as in the lookup by name
     # Candidates in order of closeness; one that is not a valid tuning file for its name (notes, a backup, a
     # sweep dump) is passed over rather than breaking every op call on this GPU.
+    passed_over = []
     for stem in closest_devices(device, list(files), compute_capability=cc, sm_count=sms):
         try:
             _parse_file(files[stem], True)
         except TuningFileError as exc:
             warnings.warn(f"hopperkern: passing over {files[stem]} as the closest tuning file for {device}: {exc}",
                           stacklevel=4)
+            passed_over.append((str(files[stem]), _mtime(str(files[stem]))))
             continue
-        return files[stem], tuple(listed), cc
-    return None, tuple(listed), cc
+        return files[stem], tuple(listed), cc, tuple(passed_over)
+    return None, tuple(listed), cc, tuple(passed_over)
 
 
 def config_search(source=None) -> ConfigSearch:
@@ -468,18 +472,19 @@ def config_search(source=None) -> ConfigSearch:
         if cand.is_file():
             where = "HOPPERKERN_CONFIG folder" if env and d == Path(env) else "packaged file"
             return ConfigSearch(cand, looked, f"{where}, {why_dev}", named=True)
-    path, listed, cc = _closest_file(device, folders)
+    path, listed, cc, passed_over = _closest_file(device, folders)
     if path is None:
-        return ConfigSearch(None, looked, why_dev, listed=listed)
+        return ConfigSearch(None, looked, why_dev, listed=listed, passed_over=passed_over)
     arch = f"sm_{cc[0]}{cc[1]}"
     return ConfigSearch(path, looked, f"closest file of the same architecture ({arch}): no file for {device} "
-                                      f"({why_dev})", closest_to=device, named=True, listed=listed, arch=arch)
+                                      f"({why_dev})", closest_to=device, named=True, listed=listed, arch=arch,
+                        passed_over=passed_over)
 
 
 _WARNED: set = set()  # keys of the warnings given: one per missing file, per closest file, per Triton mismatch
-# (source, HOPPERKERN_CONFIG, current GPU) -> (file or None, why, named, files that must stay absent, (folder,
-# modification time) pairs that must not change, the fallback warning due or None): a search's result, valid while
-# those files stay absent and those folders unchanged.
+# (source, HOPPERKERN_CONFIG, current GPU) -> (file or None, why, named, files that must stay absent, (folder or
+# passed-over candidate, modification time) pairs that must not change, the fallback warning due or None, whether
+# the file is a closest file): a search's result, valid while those files stay absent and those paths unchanged.
 _FOUND: dict = {}
 
 
@@ -502,19 +507,27 @@ def load_config(source=None) -> TuningConfig:
     # Steady state of an op call: one dict lookup and a stat per file involved. A search's result is remembered
     # per (source, HOPPERKERN_CONFIG, current GPU) together with what would change it: the files looked for
     # before the one found must still be absent, and the folders the closest-file search listed unchanged
-    # (adding or removing a file changes a folder's modification time). The stat of the file itself sees an
-    # edit (a new mtime: parsed again) and a removal (searched again). A changed HOPPERKERN_CONFIG is a new key.
+    # (adding or removing a file changes a folder's modification time), as must the candidates it passed over as
+    # invalid (an edit may repair one). The stat of the file itself sees an edit (a new mtime: parsed again; a
+    # closest file made invalid is searched again, so passed over as a fresh search would) and a removal
+    # (searched again). A changed HOPPERKERN_CONFIG is a new key.
     memo_key = (source if source is None or isinstance(source, str) else str(source),
                 os.environ.get("HOPPERKERN_CONFIG"), _current_device_name() if source is None else None)
     hit = _FOUND.get(memo_key)
     if hit is not None:
-        path, why, named, absent, listed, notice = hit
+        path, why, named, absent, listed, notice, closest = hit
         if not any(os.path.exists(a) for a in absent) and all(_mtime(d) == m for d, m in listed):
             mtime = _mtime(path) if path is not None else None
             if path is None or mtime is not None:
-                cfg = _defaults(why) if path is None else _load_cached(path, mtime, why, named)
-                _notify(notice)
-                return _checked(cfg)
+                try:
+                    cfg = _defaults(why) if path is None else _load_cached(path, mtime, why, named)
+                except TuningFileError:
+                    if not closest:
+                        raise
+                    cfg = None  # a closest file made invalid since: the search passes it over, as a fresh one would
+                if cfg is not None:
+                    _notify(notice)
+                    return _checked(cfg)
         _FOUND.pop(memo_key, None)
     found = config_search(source)
     if found.path is not None and not found.path.is_file():
@@ -539,8 +552,9 @@ def load_config(source=None) -> TuningConfig:
         if len(_FOUND) >= 256:
             _FOUND.clear()
         absent = tuple(p for p in found.looked if p != str(found.path))
-        _FOUND[memo_key] = (None if found.path is None else str(found.path), found.why, found.named, absent, listed,
-                            notice)
+        # A candidate the closest-file search passed over is watched like a folder: edited, it is searched again.
+        _FOUND[memo_key] = (None if found.path is None else str(found.path), found.why, found.named, absent,
+                            listed + found.passed_over, notice, found.closest_to is not None)
     return _checked(cfg)
 
 

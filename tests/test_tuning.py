@@ -583,6 +583,39 @@ def test_unreadable_text_is_a_tuning_file_error(data, tmp_path, monkeypatch):
         load_config("NVIDIA H800 PCIe")
 
 
+def _edit_in_place(path: Path, text: str, bump_ns: int) -> None:
+    """Rewrite ``path`` without changing its folder's listing, with a modification time surely new."""
+    path.write_text(text)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + bump_ns))
+
+
+def test_closest_file_made_invalid_is_passed_over_by_the_remembered_search(tmp_path, monkeypatch):
+    """A closest file edited into an invalid one while the process runs is passed over (warning, the next closest
+    file), as a fresh search would, rather than raising on every later call."""
+    h800 = _write(tmp_path / "NVIDIA_H800.json", {"schema_version": 1, "device_name": "NVIDIA H800"})
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_config("NVIDIA H800 PCIe").origin == str(h800)
+        _edit_in_place(h800, "{ not json", 10**9)
+        remembered = load_config("NVIDIA H800 PCIe").origin
+        tuning._FOUND.clear()
+        assert remembered == load_config("NVIDIA H800 PCIe").origin != str(h800)
+
+
+def test_passed_over_candidate_repaired_is_taken_by_the_remembered_search(tmp_path, monkeypatch):
+    """A closer candidate the search passed over as invalid and then repaired in place is found on the next call,
+    as a fresh search would find it."""
+    h800 = _write(tmp_path / "NVIDIA_H800.json", "{ not json")
+    monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_config("NVIDIA H800 PCIe").origin != str(h800)
+        _edit_in_place(h800, json.dumps({"schema_version": 1, "device_name": "NVIDIA H800"}), 10**9)
+        assert load_config("NVIDIA H800 PCIe").origin == str(h800)
+
+
 def test_malformed_file_is_an_error_through_lookup_too(tmp_path, monkeypatch):
     """A bad file found by device name must raise, not fall back to defaults silently."""
     _write(tmp_path / "NVIDIA_H200.json", "{")
