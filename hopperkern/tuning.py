@@ -531,6 +531,9 @@ def load_config(source=None) -> TuningConfig:
         _FOUND.pop(memo_key, None)
     found = config_search(source)
     if found.path is not None and not found.path.is_file():
+        if found.path.is_dir():  # a folder given as the caller's path: HOPPERKERN_CONFIG is where folders go
+            raise FileNotFoundError(f"tuning file {found.path} ({found.why}) is a folder, not a file: pass the "
+                                    "file itself, or name the folder in HOPPERKERN_CONFIG")
         raise FileNotFoundError(f"tuning file {found.path} ({found.why}) does not exist")
     listed = tuple((d, _mtime(d)) for d in found.listed)
     notice = None

@@ -583,6 +583,14 @@ def test_unreadable_text_is_a_tuning_file_error(data, tmp_path, monkeypatch):
         load_config("NVIDIA H800 PCIe")
 
 
+def test_a_folder_given_as_the_path_says_so(tmp_path):
+    """A folder passed where load_config wants a file is named as a folder, not as a missing file."""
+    with pytest.raises(FileNotFoundError, match="is a folder, not a file"):
+        load_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+
+
 def _edit_in_place(path: Path, text: str, bump_ns: int) -> None:
     """Rewrite ``path`` without changing its folder's listing, with a modification time surely new."""
     path.write_text(text)
