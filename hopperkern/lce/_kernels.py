@@ -485,11 +485,7 @@ def lce_onehot_kernel(
     # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32, with
     # p (A + B z) = (p - 1)(A + B z) + (A + B z): for a plain loss gradient A + C = 0 exactly, and the entry is
     # (p - 1) A from p - 1 itself.
-    coef = (a + b * z) * inv_temp
-    dz = _pm1(logp) * coef + (coef + (c + d) * inv_temp)
-    if SOFTCAP:
-        th = z / (softcap * inv_temp)
-        dz = dz * (1.0 - th * th)
+    dz = _dz(_pm1(logp), z, a * inv_temp, b * inv_temp, (a + b * z + c + d) * inv_temp, softcap, inv_temp, SOFTCAP)
     tl.store(d_ptr + rows.to(tl.int64) * stride_dn + col, dz.to(d_ptr.dtype.element_ty), mask=here)
 
 
