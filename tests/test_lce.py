@@ -1205,12 +1205,18 @@ def test_backward_logprob_errors(grad, change, exc, match):
 
 
 def test_backward_logprob_only_for_label_terms():
-    """Upstream grads of the entropy and the LSE only (no label term): no logprob is needed and the grads equal
-    those of a call given it. Passing the deprecated ``zlab`` warns."""
+    """Upstream grads of the entropy and the LSE only (no label term): no logprob is needed. Given one, the
+    entropy term at the label takes its z - lse from it (more precise for a confident prediction; here the two
+    agree to fp32 rounding); without an entropy grad the results are the same bit for bit. Passing the deprecated
+    ``zlab`` warns."""
     call, lp = _tiny_backward()
     no_label = dict(g_loss=None, g_lse=upstream((5,), seed=3))
     d_h, d_w, _ = call(**no_label, logprob=None)
     want_h, want_w, _ = call(**no_label)
+    torch.testing.assert_close(d_h, want_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(d_w, want_w, rtol=1e-5, atol=1e-6)
+    d_h, d_w, _ = call(**no_label, g_entropy=None, logprob=None)
+    want_h, want_w, _ = call(**no_label, g_entropy=None)
     assert torch.equal(d_h, want_h) and torch.equal(d_w, want_w)
     with pytest.warns(DeprecationWarning, match="zlab is deprecated and ignored"):
         call(g_loss=None, g_entropy=None, zlab=lp)  # no upstream grads: zeros without a launch

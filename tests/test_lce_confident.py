@@ -22,11 +22,16 @@ SHIFT = 30.0  # added to every logit (softmax does not change): raw label logits
 
 def confident_inputs():
     """make_inputs' confident batch (every token kept), every logit raised by SHIFT through one more hidden unit
-    (1) and weight column (SHIFT)."""
+    (1) and weight column (SHIFT), with hidden and weight on a grid of 2^-8: every product is then a multiple of
+    2^-16 and every logit (|z| < 2^7) a sum that fp32 holds exactly in any order. So the logits carry no rounding
+    (an fp32 GEMM's, ~ulp(50) = 4e-6, would be as large as 1 - p and depend on the BLAS's summation order) and the
+    errors measured are those of the softmax statistics alone."""
     inp = make_inputs((N, V, H), confident=(1 - 1e-5, 1 - 1e-7))
     inp.hidden = torch.cat([inp.hidden, torch.ones(N, 1, dtype=inp.hidden.dtype, device=inp.hidden.device)], 1)
     inp.weight = torch.cat([inp.weight, torch.full((V, 1), SHIFT, dtype=inp.weight.dtype,
                                                    device=inp.weight.device)], 1)
+    inp.hidden, inp.weight = (torch.round(x * 256) / 256 for x in (inp.hidden, inp.weight))
+    assert torch.equal(F.linear(inp.hidden, inp.weight).double(), ref.reference_logits(inp.hidden, inp.weight))
     z = ref.reference_logits(inp.hidden, inp.weight)
     p = torch.softmax(z, -1).gather(1, inp.labels[:, None])[:, 0]
     assert (1 - p).max() < 2e-5 and z.max() > 40, "the batch is not as confident as this module needs"
@@ -78,6 +83,52 @@ def test_very_confident_logprob(grad):
         assert e_k <= 2 * e_t + 1e-6, f"log-prob: rel err {e_k:.2e} > 2 x torch's {e_t:.2e}"
     else:
         assert (lp.double() - want).abs().max() <= 1.5e-5
+
+
+def _logprobs_entropy_run(fn, inp, g_logprob, g_entropy, dtype):
+    """(logprob, entropy, d_hidden, d_weight) in fp64 of ``fn(hidden, weight)`` under the upstream gradients."""
+    h = inp.hidden.to(dtype).clone().requires_grad_()
+    w = inp.weight.to(dtype).clone().requires_grad_()
+    lp, ent = fn(h, w)
+    (lp * g_logprob.to(lp.dtype) + ent * g_entropy.to(ent.dtype)).sum().backward()
+    return lp.detach().double(), ent.detach().double(), h.grad.double(), w.grad.double()
+
+
+def _torch_logprobs_entropy(labels):
+    def fn(h, w):
+        logp = torch.log_softmax(F.linear(h, w), -1)
+        return logp.gather(1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    return fn
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grad_path", ["4pass", "3pass"])
+@pytest.mark.parametrize("upstream", ["entropy", "both"])
+def test_very_confident_entropy_and_its_gradient(upstream, grad_path, mode):
+    """A confident prediction's entropy (~1e-5 here) is far below the ulp of the LSE (~4e-6 at 50): formed as
+    lse - E_p[z] it would carry all of that rounding, and so would its gradient p (E - z) at the label. The
+    entropy within 2x plain fp32 PyTorch's absolute error of fp64, d_weight and d_hidden within 2x its relative
+    errors (torch's d_weight error, ~0.5 %, checked below 10 %; its d_hidden error, a sum of terms that cancel to
+    ~1 - p, is 7-15 % here, and an LSE-rounded entropy term's is over 100 %)."""
+    inp = confident_inputs()
+    g = torch.Generator(device=inp.hidden.device).manual_seed(5)
+    g_entropy = torch.randn(N, generator=g, device=inp.hidden.device)
+    g_logprob = (torch.randn(N, generator=g, device=inp.hidden.device) if upstream == "both"
+                 else torch.zeros(N, device=inp.hidden.device))
+    ours = _logprobs_entropy_run(
+        lambda h, w: lce.linear_logprobs_entropy(h, w, inp.labels, tma=mode, grad_path=grad_path),
+        inp, g_logprob, g_entropy, torch.float32)
+    want = _logprobs_entropy_run(_torch_logprobs_entropy(inp.labels), inp, g_logprob, g_entropy, torch.float64)
+    base = _logprobs_entropy_run(_torch_logprobs_entropy(inp.labels), inp, g_logprob, g_entropy, torch.float32)
+    assert want[1].max() < 1e-4, "the batch's entropies are not as small as this test needs"
+    e_k, e_t = (ours[1] - want[1]).abs().max().item(), (base[1] - want[1]).abs().max().item()
+    assert e_t < 0.1 * want[1].min().item(), f"entropy: torch's abs err {e_t:.2e}: the baseline is broken"
+    assert e_k <= 2 * e_t + 1e-9, f"entropy: abs err {e_k:.2e} > 2 x torch's {e_t:.2e}"
+    e_k, e_t = rel_err(ours[3], want[3]), rel_err(base[3], want[3])
+    assert e_t < 0.1, f"d_weight: torch's rel err {e_t:.2e}: the baseline is broken"
+    assert e_k <= 2 * e_t, f"d_weight: rel err {e_k:.2e} > 2 x torch's {e_t:.2e}"
+    e_k, e_t = rel_err(ours[2], want[2]), rel_err(base[2], want[2])
+    assert e_k <= 2 * e_t, f"d_hidden: rel err {e_k:.2e} > 2 x torch's {e_t:.2e}"
 
 
 CALLS = [("sum 4pass", dict(reduction="sum", sft_path="4pass")), ("mean 3pass", dict(sft_path="3pass")),

@@ -56,7 +56,7 @@ def lce_forward_kernel(
     w_ptr,  # [V, H] same dtype
     b_ptr,  # [V] or dummy
     labels_ptr,  # [N] int
-    m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 per-split running max, sum exp(z-m), sum exp(z-m)*z, sum z
+    m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 per-split running max m, sum exp(z-m), sum exp(z-m)(z-m), sum z
     zl_ptr,  # [S, N] fp32 the label's logit where this split holds the label, else 0
     z_ptr,  # [N, ld_z] out: fp32 final logits (STORE_Z), or exp(z - running max) in the inputs' dtype (STORE_E)
     mt_ptr,  # [N, ld_mt] fp32 out (STORE_E): the running max of row n after vocab tile vt, at [n, vt];
@@ -76,6 +76,11 @@ def lce_forward_kernel(
     Grid (cdiv(N, BLOCK_N) * S,); one program = one row block x one vocab split of ``tiles_per_split``
     BLOCK_V tiles, keeping m/s/t/sumz in registers across its tiles. Programs are ordered GROUP_N row blocks
     per split sweep (see ``hopperkern.tma.jit.grouped_tile``).
+
+    NEED_T: t = sum exp(z - m) (z - m) against the same reference m as s, not sum exp(z - m) z: the entropy is then
+    log s - t / s (lce_combine_kernel), a sum of small terms, where lse - (sum e z) / s would be the difference of
+    two numbers of the logits' size, each rounded to its ulp (~4e-6 at 50), more than all of a confident
+    prediction's entropy.
 
     PICK_LABEL (when a backward will follow, where lce_label_mma_kernel does not stand in: tiles narrower than
     128 x 256, the interpreter, fp32 inputs, GPUs other than Hopper): the label's logit is picked from the same
@@ -159,14 +164,17 @@ def lce_forward_kernel(
             m_new = tl.maximum(m, tl.max(z, 1))
         alpha = tl.exp(m - m_new)
         e = tl.exp(z - m_new[:, None])
+        if NEED_T:
+            # t = sum e (z - m) against the sum's own reference m (see the docstring): moving the reference from m
+            # to m_new adds (m - m_new) s to the old terms; s = 0 (no tile yet, m = -inf) adds nothing. zv: the
+            # tail's masked columns (e = 0) take a finite z - m_new.
+            t = (t + tl.where(s > 0.0, m - m_new, 0.0) * s) * alpha + tl.sum(e * (zv - m_new[:, None]), 1)
         s = s * alpha + tl.sum(e, 1)
         if STORE_E:
             # Columns >= V (e = 0 there) and rows >= N are clipped by the store on both paths.
             store_2d(e_dst, e.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, E_TMA)
             if not E_REF:
                 tl.store(mt_ptr + rows.to(tl.int64) * stride_mt + vt, m_new, mask=row_ok)
-        if NEED_T:
-            t = t * alpha + tl.sum(e * zv, 1)
         if NEED_SUMZ:
             sumz += tl.sum(zv, 1)
         if PICK_LABEL:
@@ -266,7 +274,7 @@ def lce_label_mma_kernel(
 
 @triton.jit
 def lce_combine_kernel(
-    m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 partial statistics
+    m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 partial statistics (lce_forward_kernel's)
     zl_ptr,  # [S_ZL, N] fp32 label logit: per split (0 where the split lacks it), or one row from a label kernel
     labels_ptr,  # [N] int
     loss_ptr, logprob_ptr, entropy_ptr, lse_ptr,  # [N] fp32 outputs
@@ -293,10 +301,15 @@ def lce_combine_kernel(
         zlab += tl.load(zl_ptr + sp * N + rows, mask=ok, other=0.0)
     for sp in range(0, S):
         idx = sp * N + rows
-        scale = tl.exp(tl.load(m_ptr + idx, mask=ok, other=0.0) - mx)
-        s_tot += scale * tl.load(s_ptr + idx, mask=ok, other=0.0)
+        m_sp = tl.load(m_ptr + idx, mask=ok, other=0.0)
+        s_sp = tl.load(s_ptr + idx, mask=ok, other=0.0)
+        scale = tl.exp(m_sp - mx)
+        s_tot += scale * s_sp
         if NEED_T:
-            t_tot += scale * tl.load(t_ptr + idx, mask=ok, other=0.0)
+            # Each split's t is taken against its own m: against mx it is t + (m - mx) s (an empty split, s = 0
+            # and m = -inf, adds nothing).
+            t_sp = tl.load(t_ptr + idx, mask=ok, other=0.0) + tl.where(s_sp > 0.0, m_sp - mx, 0.0) * s_sp
+            t_tot += scale * t_sp
         if NEED_SUMZ:
             sz_tot += tl.load(sumz_ptr + idx, mask=ok, other=0.0)
     s_safe = tl.where(ok, s_tot, 1.0)
@@ -324,24 +337,25 @@ def lce_combine_kernel(
     tl.store(logprob_ptr + rows, tl.where(bad, nan, lp), mask=ok)
     tl.store(lse_ptr + rows, tl.where(bad, nan, lse), mask=ok)
     if NEED_T:
-        tl.store(entropy_ptr + rows, tl.where(bad, nan, lse - t_tot / s_safe), mask=ok)
+        # entropy = lse - E_p[z] = log s - E_p[z - mx], t_tot = s E_p[z - mx] (see lce_forward_kernel's NEED_T)
+        tl.store(entropy_ptr + rows, tl.where(bad, nan, log_s - t_tot / s_safe), mask=ok)
     else:
         tl.store(entropy_ptr + rows, tl.zeros((BLOCK,), tl.float32), mask=ok)
 
 
 @triton.jit
 def _loss_coefficients(gl, lse, label_smoothing, z_loss, V_total):
-    """The (A, C, D) terms of dz = p (A + B z) + C [j == label] + D from an upstream gradient ``gl`` of the
+    """The (A, C, D) terms of dz = p (A + B (z - lse)) + C [j == label] + D from an upstream gradient ``gl`` of the
     per-token loss (0 at ignored tokens): A = gl (1 + 2 z_loss lse), C = -gl (1 - eps), D = -gl eps / V_total."""
     return gl * (1.0 + 2.0 * z_loss * lse), -gl * (1.0 - label_smoothing), -gl * (label_smoothing / V_total)
 
 
 @triton.jit
-def _dz(p, z, a_t, b_t, d_t, softcap, inv_temp, SOFTCAP: tl.constexpr):
-    """d loss / d raw logit, in fp32: p (A + B z) / T + D / T, times (1 - tanh^2) with softcap. ``a_t``, ``b_t``,
-    ``d_t`` are A / T, B / T and the constant term / T (broadcast to p's shape by the caller); z is the final
-    logit, so z T / softcap is the tanh."""
-    dz = p * (a_t + b_t * z) + d_t
+def _dz(p, z, zc, a_t, b_t, d_t, softcap, inv_temp, SOFTCAP: tl.constexpr):
+    """d loss / d raw logit, in fp32: p (A + B (z - lse)) / T + D / T, times (1 - tanh^2) with softcap. ``a_t``,
+    ``b_t``, ``d_t`` are A / T, B / T and the constant term / T (broadcast to p's shape by the caller); z is the
+    final logit, so z T / softcap is the tanh, and zc = z - lse (log p)."""
+    dz = p * (a_t + b_t * zc) + d_t
     if SOFTCAP:
         th = z / (softcap * inv_temp)
         dz = dz * (1.0 - th * th)
@@ -352,8 +366,9 @@ def _dz(p, z, a_t, b_t, d_t, softcap, inv_temp, SOFTCAP: tl.constexpr):
 def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr, ignore_index,
                       label_smoothing, z_loss, V_total, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
                       HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr):
-    """Per-token coefficients of dz = p (A + B z) + C [j == label] + D (see lce_dlogits_kernel). ``V_total`` is
-    the size of the whole vocabulary, over which label smoothing spreads eps (a vocab shard's V is smaller)."""
+    """Per-token coefficients of dz = p (A + B (z - lse)) + C [j == label] + D (see lce_dlogits_kernel).
+    ``V_total`` is the size of the whole vocabulary, over which label smoothing spreads eps (a vocab shard's V is
+    smaller)."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = (labels != ignore_index).to(tl.float32)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -372,9 +387,9 @@ def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr
         a -= gp
         c += gp
     if HAS_GE:
+        # g_entropy p (E - z) = g_entropy p (-entropy - (z - lse)): no term of the logits' size to cancel
         ge = tl.load(ge_ptr + rows, mask=row_ok, other=0.0)
-        ez = lse - tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-        a += ge * ez
+        a -= ge * tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         b -= ge
     if HAS_GZ:
         a += tl.load(gz_ptr + rows, mask=row_ok, other=0.0)
@@ -404,12 +419,15 @@ def lce_dlogits_kernel(
     Persistent grid (NUM_PROGRAMS,); each program loops over [BLOCK_N, BLOCK_V] tiles pid, pid + NUM_PROGRAMS,
     ... in grouped order. With p the
     softmax of z and E = E_p[z] = lse - entropy, the gradient w.r.t. z is
-        dz = p * (A + B z) + C [j == label] + D,
-        A = kept (g_loss (1 + 2 z_loss lse) - g_logprob) + g_entropy E + g_lse,   B = -g_entropy,
+        dz = p * (A + B (z - lse)) + C [j == label] + D,
+        A = kept (g_loss (1 + 2 z_loss lse) - g_logprob) - g_entropy entropy + g_lse,   B = -g_entropy,
         C = kept (g_logprob - g_loss (1 - eps)),                           D = -kept g_loss eps / V_total,
     then d raw = dz / temperature * (1 - tanh^2) (the tanh factor only with softcap), formed in fp32 and rounded
     once to d's dtype. The C term touches one column per row: rather than a compare-select in every tile, the label
-    column gets p (A + B z) + D here and lce_onehot_kernel overwrites it afterwards (when C can be nonzero).
+    column gets p (A + B (z - lse)) + D here and lce_onehot_kernel overwrites it afterwards (when C can be
+    nonzero). The entropy term p (E - z) is taken as -p (entropy + (z - lse)): z - lse is the exponent p needs anyway,
+    and no two numbers of the logits' size cancel (g_entropy E - g_entropy z would lose ~ulp(lse) of a confident
+    prediction's E - z).
     """
     tl.static_assert(BLOCK_V >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
@@ -432,9 +450,9 @@ def lce_dlogits_kernel(
                                                gz_ptr, ignore_index, label_smoothing, z_loss, V_total, BLOCK_N,
                                                HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
         # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
-        p = tl.exp(z - lse[:, None])
-        dz = _dz(p, z, (a * inv_temp)[:, None], (b * inv_temp)[:, None], (d * inv_temp)[:, None], softcap,
-                 inv_temp, SOFTCAP)
+        zc = z - lse[:, None]
+        dz = _dz(tl.exp(zc), z, zc, (a * inv_temp)[:, None], (b * inv_temp)[:, None], (d * inv_temp)[:, None],
+                 softcap, inv_temp, SOFTCAP)
         # Columns >= ncols (and rows >= N) are clipped by the store on both paths.
         store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, vt * BLOCK_V, N, ncols, stride_dn, 1, BLOCK_N,
                  BLOCK_V, D_TMA)
@@ -456,7 +474,7 @@ def lce_onehot_kernel(
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_GL: tl.constexpr, HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr,
 ):
-    """Write the whole label entry d[n, label[n] - col_begin] = (p (A + B z) + C + D) / temperature
+    """Write the whole label entry d[n, label[n] - col_begin] = (p (A + B (z - lse)) + C + D) / temperature
     (* (1 - tanh^2) with softcap) of each kept token whose label lies in this slice, formed in fp32 from the
     forward's per-token statistics and rounded ONCE to d's dtype. Grid (cdiv(N, BLOCK_N),); one program = BLOCK_N
     rows, each touching at most one element.
@@ -465,10 +483,10 @@ def lce_onehot_kernel(
     and for a confident prediction (p -> 1, C = -g) round(p) - 1 keeps little or nothing of p - 1, the whole
     gradient at the label (the spacing just below 1 is 4.9e-4 in fp16, 3.9e-3 in bf16). p = exp(logprob) takes
     the forward's fp32 log-prob rather than exp(z - lse) of a re-added z, so p - 1 does not inherit the rounding
-    of logprob + lse; z = logprob + lse only feeds the entropy term B z and the softcap factor, where its
-    ~ulp(lse) error is harmless. What remains is the log-prob's own error: lce_combine_kernel forms it as
-    -log(s exp(m - z_label)) in fp64, not as z_label - lse (rounded to ulp(lse), ~4e-6 at 46, which can hold all of
-    1 - p), so it carries the rounding of the fp32 sum s of exponentials near 1 (~1e-7, as PyTorch's fp32
+    of logprob + lse; z = logprob + lse only feeds the softcap factor, where its ~ulp(lse) error is harmless, and
+    the entropy term takes z - lse = logprob itself. What remains is the log-prob's own error: lce_combine_kernel
+    forms it as -log(s exp(m - z_label)) in fp64, not as z_label - lse (rounded to ulp(lse), ~4e-6 at 46, which can
+    hold all of 1 - p), so it carries the rounding of the fp32 sum s of exponentials near 1 (~1e-7, as PyTorch's fp32
     softmax does): a relative error of ~1e-7 / (1 - p) in p - 1.
     """
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -483,9 +501,10 @@ def lce_onehot_kernel(
     logp = tl.load(logprob_ptr + rows, mask=here, other=0.0)
     z = logp + lse
     # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32, with
-    # p (A + B z) = (p - 1)(A + B z) + (A + B z): for a plain loss gradient A + C = 0 exactly, and the entry is
-    # (p - 1) A from p - 1 itself.
-    dz = _dz(_pm1(logp), z, a * inv_temp, b * inv_temp, (a + b * z + c + d) * inv_temp, softcap, inv_temp, SOFTCAP)
+    # p (A + B log p) = (p - 1)(A + B log p) + (A + B log p): for a plain loss gradient A + C = 0 exactly, and the
+    # entry is (p - 1) A from p - 1 itself.
+    dz = _dz(_pm1(logp), z, logp, a * inv_temp, b * inv_temp, (a + b * logp + c + d) * inv_temp, softcap, inv_temp,
+             SOFTCAP)
     tl.store(d_ptr + rows.to(tl.int64) * stride_dn + col, dz.to(d_ptr.dtype.element_ty), mask=here)
 
 
@@ -515,7 +534,7 @@ def _sft_dz(p, z, col0, labels, kept, logp, a, c, d, softcap, inv_temp, BLOCK_V:
     # At the label p A = (p - 1) A + A (see lce_onehot_kernel): A + C there.
     p = tl.where(at_label, _pm1(logp)[:, None], p)
     d_t = (d * inv_temp)[:, None] + tl.where(at_label, a_t + (c * inv_temp)[:, None], 0.0)
-    return _dz(p, z, a_t, 0.0, d_t, softcap, inv_temp, SOFTCAP)
+    return _dz(p, z, z, a_t, 0.0, d_t, softcap, inv_temp, SOFTCAP)
 
 
 @triton.jit
@@ -664,14 +683,14 @@ def lce_exp_dlogits_kernel(
     D_TMA: tl.constexpr, APPROX_MATH: tl.constexpr = False,
 ):
     """d(logits) under per-token upstream gradients from the forward's stored exponentials, in place or into
-    ``out``: the 3-pass path of per-token outputs (log-probs and entropies, :mod:`hopperkern.lce.rl`). Grid (cdiv(N, BLOCK_N),
-    cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile within one of the forward's FWD_BLOCK_V-wide
+    ``out``: the 3-pass path of per-token outputs (log-probs and entropies, :mod:`hopperkern.lce.rl`). Grid
+    (cdiv(N, BLOCK_N), cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile within one of the forward's FWD_BLOCK_V-wide
     vocab tiles (BLOCK_V divides FWD_BLOCK_V).
 
-    The gradient of lce_dlogits_kernel + lce_onehot_kernel, dz = (p (A + B z) + C [j == label] + D) / T, with
-    p = e exp(m - lse) and z = m + log e formed in fp32 (z only where the entropy term B = -g_entropy needs it; a
-    logit whose e underflowed to 0 has p = 0 and contributes nothing, and one whose e is subnormal takes z = 0 beside
-    its p < 2^-126), rounded once. At the label, p and z come
+    The gradient of lce_dlogits_kernel + lce_onehot_kernel, dz = (p (A + B (z - lse)) + C [j == label] + D) / T,
+    with p = e exp(m - lse) and z - lse = (m - lse) + log e formed in fp32 (only where the entropy term
+    B = -g_entropy needs it; a logit whose e underflowed to 0 has p = 0 and contributes nothing, and one whose e is
+    subnormal takes z - lse = 0 beside its p < 2^-126), rounded once. At the label, p and z - lse come
     from the forward's fp32 log-prob, as in lce_onehot_kernel, so that p - 1 of a confident prediction keeps its
     precision. A token whose LSE is NaN (an out-of-range label) gets a NaN row. No softcap: its tanh factor needs
     each logit to more than e's precision. APPROX_MATH (on a GPU): log e through
@@ -700,9 +719,9 @@ def lce_exp_dlogits_kernel(
         # path, and a -inf there would make p z a NaN). A subnormal e, a logit 87 to 92 below its tile's running max
         # should the forward store one, has p < 2^-126: its terms vanish with z = 0 as with the exact z.
         normal = e >= 1.1754943508222875e-38
-        z = tl.where(normal, mt[:, None] + log_approx(tl.where(normal, e, 1.0), APPROX_MATH), 0.0)
-        z = tl.where(at_label, (logp + lse)[:, None], z)
-        coef = coef + b[:, None] * z
+        zc = tl.where(normal, (mt - lse)[:, None] + log_approx(tl.where(normal, e, 1.0), APPROX_MATH), 0.0)
+        zc = tl.where(at_label, logp[:, None], zc)
+        coef = coef + b[:, None] * zc
     dz = (p * coef + d[:, None] + tl.where(at_label, coef + c[:, None], 0.0)) * inv_temp
     # Rows >= N and columns >= V are clipped by the store on both paths.
     o_dst = tile_source_2d(out_ptr, N, V, stride_on, BLOCK_N, BLOCK_V, D_TMA)

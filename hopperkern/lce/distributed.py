@@ -17,11 +17,11 @@ One call, in order (collectives on the inputs' device: gloo for CPU tensors, NCC
    it costs a few bytes and one host sync per call (as does the label check, unless switched off).
 2. The local forward kernel over the shard, with labels mapped to shard columns (``label - offset`` inside the
    shard, a negative id when another rank holds the label or the token is ignored: such labels pick no logit),
-   gives per-split statistics: max m, sum exp(z - m), sum exp(z - m) z (entropy), sum z (label smoothing) and
+   gives per-split statistics: max m, sum exp(z - m), sum exp(z - m) (z - m) (entropy), sum z (label smoothing) and
    the label's logit (0 on every rank but the one holding the label). Then an all-reduce MAX of one int, read
    on the host (one sync): a rank whose local launch raised makes every rank raise (:func:`_raise_together`).
 3. all-reduce MAX of the per-token local max -> M, fp32 [N].
-4. all-reduce SUM of one fp32 [k, N] block (k = 2..4): sum exp(z - M), [sum exp(z - M) z], [sum z], z_label.
+4. all-reduce SUM of one fp32 [k, N] block (k = 2..4): sum exp(z - M), [sum exp(z - M) (z - M)], [sum z], z_label.
    z_label is exact (one rank adds it, the others add 0).
 5. The forward's own combine kernel, with S = 1 split and the global V and labels, forms loss (label smoothing's
    eps / V over the global V, z-loss on the global lse), log-prob, entropy and lse, identical on every rank.
@@ -157,7 +157,9 @@ def _forward(hidden2d, weight, bias, labels1d, local, call: _Call, pick_label: b
     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=shard.group)
     if shard.size:
         scale = torch.exp(m - mx)  # every split's m <= M, every M finite: no inf - inf
-        parts = [s * scale] + ([t * scale] if call.need_entropy else []) + ([sumz] if need_sumz else []) + [zl]
+        # t is taken against each split's own max (lce_forward_kernel's NEED_T): against mx it is t + (m - mx) s.
+        parts = ([s * scale] + ([(t + torch.where(s > 0, (m - mx) * s, 0.0)) * scale] if call.need_entropy else [])
+                 + ([sumz] if need_sumz else []) + [zl])
         for row, part in zip(block, parts):
             torch.sum(part, 0, out=row)
     dist.all_reduce(block, op=dist.ReduceOp.SUM, group=shard.group)

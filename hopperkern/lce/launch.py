@@ -645,7 +645,9 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
 
     ``logprob`` is required when ``g_loss`` or ``g_logprob`` is given. At a confident prediction (p -> 1) the
     label's entry is ~g (p - 1), lost if p were rounded before the one-hot term is added, so the label column is
-    formed on its own from p = exp(logprob), the forward's fp32 log-prob, and rounded once. ``zlab`` is deprecated
+    formed on its own from p = exp(logprob), the forward's fp32 log-prob, and rounded once; so is it under
+    ``g_entropy`` alone when ``logprob`` is given (its E - z_label = -logprob - entropy is then below the LSE's own
+    rounding, which z - lse would carry). ``zlab`` is deprecated
     and ignored: the label's final logit (for the softcap factor) is ``logprob + lse``.
     Extra memory: fp32 [N, H] for d_hidden's sum over vocab slices plus one [N, Vs] d(logits) slice
     (<= ``DLOGITS_BUDGET`` bytes).
@@ -668,6 +670,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     label_term = g_loss is not None or g_logprob is not None
     if label_term:
         _check_logprob(logprob, N)
+    # The entropy term at the label takes z - lse = log p from the forward's log-prob where one is given.
+    label_term = label_term or (g_entropy is not None and logprob is not None)
     if zlab is not None:
         warnings.warn("lce_backward: zlab is deprecated and ignored (the label's logit is logprob + lse)",
                       DeprecationWarning, stacklevel=2)
@@ -715,8 +719,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     for col_begin, ncols, dlogits, onehot in plan.slices:
         launch_at(dlogits, here, (hidden2d, weight, b_arg, labels1d, lse, entropy, *grads, dbuf))
         if label_term:
-            # Overwrites the label entries just written (same stream): p (A + B z) + C + D from the forward's
-            # fp32 log-prob, rounded once. Without g_loss and g_logprob, C = 0 and the tile's entry is final.
+            # Overwrites the label entries just written (same stream): p (A + B (z - lse)) + C + D from the forward's
+            # fp32 log-prob, rounded once (z - lse of a confident prediction is below the LSE's own rounding).
             launch_at(onehot, here, (labels1d, lse, entropy, *grads, logprob, dbuf))
         whole = ncols == V  # one slice: the whole tensors, no views to make
         dl = dbuf if whole and plan.ld == V else dbuf[:, :ncols]
