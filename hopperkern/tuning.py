@@ -319,7 +319,9 @@ def _parse_file(path: Path, named: bool) -> TuningConfig:
     if not isinstance(data, dict):
         raise TuningFileError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
     try:
-        cfg = TuningConfig.model_validate(data)
+        # strict: a file's values are JSON's own types ("128", 128.0, true for a tile and "yes" for a flag are
+        # refused, not coerced), as the tuner writes them
+        cfg = TuningConfig.model_validate(data, strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
