@@ -59,6 +59,7 @@ def main() -> int:
                          dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=False,
                               NEED_T=store in ("", "et"), NEED_SUMZ=False, FLATTEN=fl, H_TMA=tma, W_TMA=tma,
                               DOT_PRECISION="tf32", PICK_LABEL=bool(store) and bn * bv < L._LABEL_MMA_MIN_TILE,
+                              LABEL_OUT=bool(store) and bn * bv < L._LABEL_MMA_MIN_TILE,
                               STORE_Z=store == "z",
                               STORE_E=store[:1] == "e", E_TMA=tma and store[:1] == "e", E_REF=store == "e",
                               E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP),

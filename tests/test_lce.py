@@ -930,7 +930,8 @@ def test_logprobs_entropy_fp16_confident(grads_on, mode):
 def test_logprobs_entropy_no_grad(mode):
     """Under torch.no_grad (reference / old-policy passes) the values equal the differentiable call's to fp32
     rounding: the no-grad forward takes the label's logit from a row dot product, the differentiable one from the
-    log-sum-exp's tiles (entropy is computed the same way in both)."""
+    log-sum-exp's tiles, whose sums of exponentials then leave the label's own term to the combine's fp64 sum
+    (lce_forward_kernel's LABEL_OUT), so the entropies too agree to fp32 rounding, not bit for bit."""
     inp = make_inputs(SMALL, ignore=0.3)
     h, w = inp.hidden.clone().requires_grad_(), inp.weight.clone().requires_grad_()
     lp, ent = lce.linear_logprobs_entropy(h, w, inp.labels, tma=mode)
@@ -938,7 +939,7 @@ def test_logprobs_entropy_no_grad(mode):
         lp0, ent0 = lce.linear_logprobs_entropy(h, w, inp.labels, tma=mode)
     assert lp.requires_grad and not lp0.requires_grad and not ent0.requires_grad
     assert_close(lp0, lp.detach(), FP32_RTOL, "logprob, no grad vs grad")
-    assert torch.equal(ent0, ent.detach())
+    assert_close(ent0, ent.detach(), FP32_RTOL, "entropy, no grad vs grad")
     want_lp, want_ent = ref.linear_logprobs_entropy(inp.hidden, inp.weight, inp.labels)
     assert_close(lp0, want_lp, FP32_RTOL, "logprob")
     assert_close(ent0, want_ent, FP32_RTOL, "entropy")

@@ -51,12 +51,24 @@ def _final_logits(acc, b_ptr, cols, col_ok, softcap, inv_temp, HAS_BIAS: tl.cons
 
 
 @triton.jit
+def _exp_sums(e, zv, m_new, NEED_T: tl.constexpr):
+    """Per row of a tile of e = exp(z - m_new): (sum e, sum e (z - m_new)), the second 0 without NEED_T. ``zv``:
+    the logits with a vocab tail's masked columns (e = 0 there) at a finite value."""
+    tile_s = tl.sum(e, 1)
+    tile_t = tl.zeros_like(tile_s)
+    if NEED_T:
+        tile_t = tl.sum(e * (zv - m_new[:, None]), 1)
+    return tile_s, tile_t
+
+
+@triton.jit
 def lce_forward_kernel(
     h_ptr,  # [N, H] fp16/bf16/fp32
     w_ptr,  # [V, H] same dtype
     b_ptr,  # [V] or dummy
     labels_ptr,  # [N] int
     m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 per-split running max m, sum exp(z-m), sum exp(z-m)(z-m), sum z
+    #                                 (s and t without the label's own term with LABEL_OUT)
     zl_ptr,  # [S, N] fp32 the label's logit where this split holds the label, else 0
     z_ptr,  # [N, ld_z] out: fp32 final logits (STORE_Z), or exp(z - running max) in the inputs' dtype (STORE_E)
     mt_ptr,  # [N, ld_mt] fp32 out (STORE_E): the running max of row n after vocab tile vt, at [n, vt];
@@ -69,7 +81,7 @@ def lce_forward_kernel(
     FLATTEN: tl.constexpr, H_TMA: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PICK_LABEL: tl.constexpr, STORE_Z: tl.constexpr = False, STORE_E: tl.constexpr = False,
     E_TMA: tl.constexpr = False, E_REF: tl.constexpr = False, E_OFFSET: tl.constexpr = 0.0,
-    E_CLAMP: tl.constexpr = 0.0,
+    E_CLAMP: tl.constexpr = 0.0, LABEL_OUT: tl.constexpr = False,
 ):
     """Per-split online log-sum-exp statistics.
 
@@ -89,6 +101,12 @@ def lce_forward_kernel(
     at the label) keeps its precision. A label logit from a separate fp32 dot product (lce_label_logit_kernel, the
     no-grad path) differs from the tile's by the fp32 summation error (~1e-6): harmless in log p itself, but a
     relative error of ~1e-6 / (1 - p) in p - 1, 1 % at p = 0.9999, more than one bf16 rounding.
+
+    LABEL_OUT (with PICK_LABEL): the tile that holds a row's label column (any label in [0, V), an ignored token's
+    too) sums every column but the label's into s and t; lce_combine_kernel adds exp(z_label - m) back in fp64. For a confident prediction
+    s = 1 + (1 - p) / p: summed in fp32 with the label's 1 in it, the rounding of s near 1 (~1e-7, a few of them
+    over a tile's tree sum) would be all the precision 1 - p, the loss and p - 1 keep; without it they keep the
+    sum's relative precision.
     lce_label_mma_kernel gives the tile's own value without touching the tiles: at 128 x 256 tiles on sm_90 the
     pick (in the tiles that hold a label of their rows) takes the forward from 173-191 registers per thread
     without spills to 255 with 332-636 bytes of spills, and 8-11 % of its time on the H200.
@@ -164,12 +182,30 @@ def lce_forward_kernel(
             m_new = tl.maximum(m, tl.max(z, 1))
         alpha = tl.exp(m - m_new)
         e = tl.exp(z - m_new[:, None])
+        if PICK_LABEL:
+            # Only the tiles that hold a row's label pay for the compare-select-sum (at 128 rows and 256-column
+            # tiles over V = 128256, about one tile in four): a row-vector test decides for the whole tile.
+            # (The branches yield fresh values, not the loop-carried zl, s, t: triton 3.6's nested-loop fusion
+            # rejects an scf.if that yields a value carried by the flattened loop.)
+            local = labels - col0
+            if tl.max(((local >= 0) & (local < BLOCK_V)).to(tl.int32), 0) != 0:
+                hit = tl.arange(0, BLOCK_V)[None, :] == local[:, None]
+                picked = tl.sum(tl.where(hit, zv, 0.0), 1)
+                if LABEL_OUT:
+                    tile_s, tile_t = _exp_sums(tl.where(hit, 0.0, e), zv, m_new, NEED_T)
+                else:
+                    tile_s, tile_t = _exp_sums(e, zv, m_new, NEED_T)
+            else:
+                picked = tl.zeros((BLOCK_N,), tl.float32)
+                tile_s, tile_t = _exp_sums(e, zv, m_new, NEED_T)
+            zl += picked
+        else:
+            tile_s, tile_t = _exp_sums(e, zv, m_new, NEED_T)
         if NEED_T:
             # t = sum e (z - m) against the sum's own reference m (see the docstring): moving the reference from m
-            # to m_new adds (m - m_new) s to the old terms; s = 0 (no tile yet, m = -inf) adds nothing. zv: the
-            # tail's masked columns (e = 0) take a finite z - m_new.
-            t = (t + tl.where(s > 0.0, m - m_new, 0.0) * s) * alpha + tl.sum(e * (zv - m_new[:, None]), 1)
-        s = s * alpha + tl.sum(e, 1)
+            # to m_new adds (m - m_new) s to the old terms; s = 0 (no tile yet, m = -inf) adds nothing.
+            t = (t + tl.where(s > 0.0, m - m_new, 0.0) * s) * alpha + tile_t
+        s = s * alpha + tile_s
         if STORE_E:
             # Columns >= V (e = 0 there) and rows >= N are clipped by the store on both paths.
             store_2d(e_dst, e.to(z_ptr.dtype.element_ty), row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, E_TMA)
@@ -177,16 +213,6 @@ def lce_forward_kernel(
                 tl.store(mt_ptr + rows.to(tl.int64) * stride_mt + vt, m_new, mask=row_ok)
         if NEED_SUMZ:
             sumz += tl.sum(zv, 1)
-        if PICK_LABEL:
-            # Only the tiles that hold a row's label pay for the compare-select-sum (at 128 rows and 256-column
-            # tiles over V = 128256, about one tile in four): a row-vector test decides for the whole tile.
-            # (The branch yields a fresh value, not the loop-carried zl: triton 3.6's nested-loop fusion rejects an
-            # scf.if that yields a value carried by the flattened loop.)
-            local = labels - col0
-            picked = tl.zeros((BLOCK_N,), tl.float32)
-            if tl.max(((local >= 0) & (local < BLOCK_V)).to(tl.int32), 0) != 0:
-                picked = tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == local[:, None], zv, 0.0), 1)
-            zl += picked
         m = m_new
 
     out = split.to(tl.int64) * N + rows
@@ -279,14 +305,14 @@ def lce_combine_kernel(
     labels_ptr,  # [N] int
     loss_ptr, logprob_ptr, entropy_ptr, lse_ptr,  # [N] fp32 outputs
     N, V, S, S_ZL, ignore_index, label_smoothing, z_loss,
-    BLOCK: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr,
+    BLOCK: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr, LABEL_OUT: tl.constexpr = False,
 ):
     """Merge the S splits into per-token loss, log-prob, entropy and LSE. Grid (cdiv(N, BLOCK),).
 
     loss = lse - (1-eps) z_label - eps/V sum(z) + z_loss lse^2 on kept tokens (0 on ignored ones);
     logprob = z_label - lse on kept tokens (formed without rounding lse first, see below); entropy = lse - E_p[z]
     on all tokens (0 without NEED_T). A label outside [0, V) that is not ignore_index makes all four NaN for its
-    token.
+    token. LABEL_OUT: the splits' s and t lack the label's own term (lce_forward_kernel's LABEL_OUT), added here.
     """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -312,18 +338,26 @@ def lce_combine_kernel(
             t_tot += scale * t_sp
         if NEED_SUMZ:
             sz_tot += tl.load(sumz_ptr + idx, mask=ok, other=0.0)
-    s_safe = tl.where(ok, s_tot, 1.0)
-    log_s = tl.log(s_safe)
-    lse = mx + log_s
     labels = tl.load(labels_ptr + rows, mask=ok, other=ignore_index).to(tl.int64)
     kept = labels != ignore_index
     bad = kept & ((labels < 0) | (labels >= V))
-    # log p = z_label - lse, formed without lse: lse is rounded to its own ulp (~4e-6 at 46), all of 1 - p for a
-    # confident prediction. q = s exp(mx - z_label) = sum_j exp(z_j - z_label) >= 1 in fp64 (exp(0) = 1 exactly
-    # where the label holds the max), log p = -log q: 1 - p keeps the precision of the sum s. Where q overflows
-    # (a label far below the max), the fp32 difference, whose rounding is then far below |log p|.
-    q = s_safe.to(tl.float64) * tl.exp(mx.to(tl.float64) - zlab.to(tl.float64))
-    lp_all = tl.where(q < 1e300, tl.minimum(-tl.log(q), 0.0).to(tl.float32), (zlab - mx) - log_s)
+    # From here in fp64 (O(N) work): log p = z_label - lse is formed without lse, which is rounded to its own ulp
+    # (~4e-6 at 46), all of 1 - p for a confident prediction, as (z_label - mx) - log s. With LABEL_OUT the sum s
+    # adds the label's term exp(z_label - mx) (1 where the label holds the max) to the others' sum in fp64, so that
+    # log s, 1 - p and the entropy keep the others' relative precision, not the fp32 rounding of s near 1.
+    dl = zlab.to(tl.float64) - mx.to(tl.float64)
+    s64 = s_tot.to(tl.float64)
+    if NEED_T:
+        t64 = t_tot.to(tl.float64)
+    if LABEL_OUT:
+        lab_term = tl.where((labels >= 0) & (labels < V), tl.exp(dl), 0.0)  # ignored or not, as the forward
+        s64 += lab_term
+        if NEED_T:
+            t64 += lab_term * dl
+    s_safe = tl.where(ok, s64, 1.0)
+    log_s = tl.log(s_safe)
+    lse = (mx.to(tl.float64) + log_s).to(tl.float32)
+    lp_all = tl.minimum(dl - log_s, 0.0).to(tl.float32)
     lp = tl.where(kept, lp_all, 0.0)
     # lse - (1 - eps) z_label = -log p + eps z_label
     loss = -lp_all + label_smoothing * zlab + z_loss * lse * lse
@@ -337,8 +371,8 @@ def lce_combine_kernel(
     tl.store(logprob_ptr + rows, tl.where(bad, nan, lp), mask=ok)
     tl.store(lse_ptr + rows, tl.where(bad, nan, lse), mask=ok)
     if NEED_T:
-        # entropy = lse - E_p[z] = log s - E_p[z - mx], t_tot = s E_p[z - mx] (see lce_forward_kernel's NEED_T)
-        tl.store(entropy_ptr + rows, tl.where(bad, nan, log_s - t_tot / s_safe), mask=ok)
+        # entropy = lse - E_p[z] = log s - E_p[z - mx], t = s E_p[z - mx] (see lce_forward_kernel's NEED_T)
+        tl.store(entropy_ptr + rows, tl.where(bad, nan, (log_s - t64 / s_safe).to(tl.float32)), mask=ok)
     else:
         tl.store(entropy_ptr + rows, tl.zeros((BLOCK,), tl.float32), mask=ok)
 
@@ -366,34 +400,38 @@ def _dz(p, z, zc, a_t, b_t, d_t, softcap, inv_temp, SOFTCAP: tl.constexpr):
 def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr, ignore_index,
                       label_smoothing, z_loss, V_total, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
                       HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr):
-    """Per-token coefficients of dz = p (A + B (z - lse)) + C [j == label] + D (see lce_dlogits_kernel).
-    ``V_total`` is the size of the whole vocabulary, over which label smoothing spreads eps (a vocab shard's V is
-    smaller)."""
+    """Per-token ``(labels, lse, A, B, A + C, D)`` of dz = p (A + B (z - lse)) + C [j == label] + D (see
+    lce_dlogits_kernel). ``V_total`` is the size of the whole vocabulary, over which label smoothing spreads eps (a
+    vocab shard's V is smaller). A + C, the label entry's constant beside (p - 1) (A + B log p), is formed from the
+    terms that do not cancel (g_logprob and the loss gradient's 1 cancel exactly): as a + c in fp32 it would keep
+    only ~1e-7 |g_logprob| of a confident prediction's g_entropy entropy term (~1e-5 g_entropy here)."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = (labels != ignore_index).to(tl.float32)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     a = tl.zeros((BLOCK_N,), tl.float32)
     b = tl.zeros((BLOCK_N,), tl.float32)
-    c = tl.zeros((BLOCK_N,), tl.float32)
+    ac = tl.zeros((BLOCK_N,), tl.float32)
     d = tl.zeros((BLOCK_N,), tl.float32)
     if HAS_GL:
         gl = tl.load(gl_ptr + rows, mask=row_ok, other=0.0) * kept
-        ga, gc, gd = _loss_coefficients(gl, lse, label_smoothing, z_loss, V_total)
+        ga, _, gd = _loss_coefficients(gl, lse, label_smoothing, z_loss, V_total)
         a += ga
-        c += gc
+        ac += gl * (label_smoothing + 2.0 * z_loss * lse)  # A + C = gl (1 + 2 z_loss lse) - gl (1 - eps)
         d += gd
     if HAS_GP:
-        gp = tl.load(gp_ptr + rows, mask=row_ok, other=0.0) * kept
-        a -= gp
-        c += gp
+        a -= tl.load(gp_ptr + rows, mask=row_ok, other=0.0) * kept  # C += g_logprob: nothing in A + C
     if HAS_GE:
         # g_entropy p (E - z) = g_entropy p (-entropy - (z - lse)): no term of the logits' size to cancel
         ge = tl.load(ge_ptr + rows, mask=row_ok, other=0.0)
-        a -= ge * tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        ge_ent = ge * tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        a -= ge_ent
+        ac -= ge_ent
         b -= ge
     if HAS_GZ:
-        a += tl.load(gz_ptr + rows, mask=row_ok, other=0.0)
-    return labels, lse, a, b, c, d
+        gz = tl.load(gz_ptr + rows, mask=row_ok, other=0.0)
+        a += gz
+        ac += gz
+    return labels, lse, a, b, ac, d
 
 
 @triton.jit
@@ -446,7 +484,7 @@ def lce_dlogits_kernel(
         z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
                          softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA,
                          DOT_PRECISION)
-        _, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
+        _, lse, a, b, _ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
                                                gz_ptr, ignore_index, label_smoothing, z_loss, V_total, BLOCK_N,
                                                HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
         # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
@@ -485,15 +523,17 @@ def lce_onehot_kernel(
     the forward's fp32 log-prob rather than exp(z - lse) of a re-added z, so p - 1 does not inherit the rounding
     of logprob + lse; z = logprob + lse only feeds the softcap factor, where its ~ulp(lse) error is harmless, and
     the entropy term takes z - lse = logprob itself. What remains is the log-prob's own error: lce_combine_kernel
-    forms it as -log(s exp(m - z_label)) in fp64, not as z_label - lse (rounded to ulp(lse), ~4e-6 at 46, which can
-    hold all of 1 - p), so it carries the rounding of the fp32 sum s of exponentials near 1 (~1e-7, as PyTorch's fp32
-    softmax does): a relative error of ~1e-7 / (1 - p) in p - 1.
+    forms it as (z_label - m) - log s in fp64, not as z_label - lse (rounded to ulp(lse), ~4e-6 at 46, which can
+    hold all of 1 - p). Where the forward picks the label in its tiles (lce_forward_kernel's LABEL_OUT) s is the
+    other columns' fp32 sum plus the label's term in fp64, and 1 - p keeps the relative precision of that sum;
+    elsewhere s is one fp32 sum near 1, whose rounding (~1e-7, as in PyTorch's fp32 softmax) is a relative error
+    of ~1e-7 / (1 - p) in p - 1.
     """
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    labels, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
-                                                gz_ptr, ignore_index, label_smoothing, z_loss, V_total, BLOCK_N,
-                                                HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+    labels, lse, a, b, ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
+                                                 gz_ptr, ignore_index, label_smoothing, z_loss, V_total, BLOCK_N,
+                                                 HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
     col = labels - col_begin
     # A label outside this slice touches nothing, and so does a negative id: on a vocab shard, a label that
     # another rank's shard holds (hopperkern.lce.distributed).
@@ -503,7 +543,7 @@ def lce_onehot_kernel(
     # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32, with
     # p (A + B log p) = (p - 1)(A + B log p) + (A + B log p): for a plain loss gradient A + C = 0 exactly, and the
     # entry is (p - 1) A from p - 1 itself.
-    dz = _dz(_pm1(logp), z, logp, a * inv_temp, b * inv_temp, (a + b * logp + c + d) * inv_temp, softcap, inv_temp,
+    dz = _dz(_pm1(logp), z, logp, a * inv_temp, b * inv_temp, (ac + b * logp + d) * inv_temp, softcap, inv_temp,
              SOFTCAP)
     tl.store(d_ptr + rows.to(tl.int64) * stride_dn + col, dz.to(d_ptr.dtype.element_ty), mask=here)
 
@@ -702,9 +742,9 @@ def lce_exp_dlogits_kernel(
     col0 = tl.program_id(1) * BLOCK_V
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    labels, lse, a, b, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
-                                                gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
-                                                HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+    labels, lse, a, b, ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
+                                                 gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
+                                                 HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
     kept = row_ok & (labels != ignore_index)
     logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
     mt = tl.load(mt_ptr + rows.to(tl.int64) * stride_mt + col0 // FWD_BLOCK_V, mask=row_ok, other=0.0)
@@ -722,7 +762,8 @@ def lce_exp_dlogits_kernel(
         zc = tl.where(normal, (mt - lse)[:, None] + log_approx(tl.where(normal, e, 1.0), APPROX_MATH), 0.0)
         zc = tl.where(at_label, logp[:, None], zc)
         coef = coef + b[:, None] * zc
-    dz = (p * coef + d[:, None] + tl.where(at_label, coef + c[:, None], 0.0)) * inv_temp
+    # At the label coef + C = A + C + B log p (b = 0 without g_entropy).
+    dz = (p * coef + d[:, None] + tl.where(at_label, (ac + b * logp)[:, None], 0.0)) * inv_temp
     # Rows >= N and columns >= V are clipped by the store on both paths.
     o_dst = tile_source_2d(out_ptr, N, V, stride_on, BLOCK_N, BLOCK_V, D_TMA)
     store_2d(o_dst, dz.to(out_ptr.dtype.element_ty), row0, col0, N, V, stride_on, 1, BLOCK_N, BLOCK_V, D_TMA)

@@ -252,10 +252,11 @@ _FORWARD_PLANS = PlanCache("lce.forward")
 
 
 def _forward_key(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool,
-                 config: KernelConfig | None, z_out, e_out):
+                 config: KernelConfig | None, z_out, e_out, keep_label_term: bool):
     store = z_out if e_out is None else e_out[0]
     return (hidden2d.device, hidden2d.dtype, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(),
-            labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, _LABEL_MMA, env_key(),
+            labels1d.dtype, None if bias is None else bias.dtype, opts, need_entropy, pick_label, keep_label_term,
+            _LABEL_MMA, env_key(),
             alignment_key(hidden2d, weight, labels1d, bias, store), None if config is None else config_key(config),
             None if store is None else (e_out is None, store.dtype, store.stride(),
                                         None if e_out is None else e_out[1].stride()))
@@ -277,7 +278,8 @@ def _stats(plan: _ForwardPlan, N: int, dev):
 
 
 def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need_entropy: bool, pick_label: bool,
-                        config: KernelConfig | None, z_out=None, e_out=None) -> _ForwardPlan:
+                        config: KernelConfig | None, z_out=None, e_out=None,
+                        keep_label_term: bool = False) -> _ForwardPlan:
     N = hidden2d.shape[0]
     V, H = weight.shape
     dev = hidden2d.device
@@ -295,6 +297,9 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     need_sumz = opts.label_smoothing > 0
     # The label's logit: picked out of the tiles (one zl row per split), or from a launch of its own (one row).
     in_tiles = pick_label and not label_by_mma(hidden2d.dtype, dev, cfg)
+    # A label picked in the tiles also leaves its own term out of the sums s and t, for the combine to add back in
+    # fp64 (lce_forward_kernel's LABEL_OUT); statistics merged elsewhere (stats_only) keep it in.
+    label_out = in_tiles and not keep_label_term
     plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if in_tiles else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
     # Byte offsets of m, s, t, sumz, zl, and of a loss and an LSE row, in one allocation of a direct call (see
@@ -344,24 +349,27 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
         HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
-        PICK_LABEL=in_tiles, STORE_Z=store_z, STORE_E=store_e, E_TMA=d.use.get("exp_logits", False),
+        PICK_LABEL=in_tiles, LABEL_OUT=label_out, STORE_Z=store_z, STORE_E=store_e, E_TMA=d.use.get("exp_logits", False),
         E_REF=e_ref, E_OFFSET=E_OFFSET, E_CLAMP=E_CLAMP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    plan.combine = _combine_launch(S, N, S if in_tiles else 1, labels1d, V, opts, need_entropy, need_sumz, one)
+    plan.combine = _combine_launch(S, N, S if in_tiles else 1, labels1d, V, opts, need_entropy, need_sumz, one,
+                                   label_out)
     return plan
 
 
 def forward_plan_for(hidden2d, weight, labels1d, bias, opts: LceOptions, *, need_entropy: bool = True,
                      pick_label: bool = True, config: KernelConfig | None = None, z_out=None,
-                     e_out=None) -> _ForwardPlan:
+                     e_out=None, keep_label_term: bool = False) -> _ForwardPlan:
     """The cached launch plan of :func:`lce_forward` for these inputs (built on a miss, or when the tuning file
-    it came from changed); ``config`` overrides the tuning file's, ``z_out`` / ``e_out`` ask for a store."""
-    key = _forward_key(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label, config, z_out, e_out)
+    it came from changed); ``config`` overrides the tuning file's, ``z_out`` / ``e_out`` ask for a store;
+    ``keep_label_term``: statistics for a merge elsewhere (``stats_only``), with the label's own term in s and t."""
+    key = _forward_key(hidden2d, weight, labels1d, bias, opts, need_entropy, pick_label, config, z_out, e_out,
+                       keep_label_term)
     plan = _FORWARD_PLANS.get(key)
     if plan is None or not plan.fresh():
         plan = _FORWARD_PLANS.put(key, _build_forward_plan(hidden2d, weight, labels1d, bias, opts, need_entropy,
-                                                           pick_label, config, z_out, e_out))
+                                                           pick_label, config, z_out, e_out, keep_label_term))
     return plan
 
 
@@ -413,7 +421,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
         return tuple(torch.zeros(0, **f32) for _ in range(4))
     _check_store(hidden2d, weight, z_out, e_out, pick_label)
     plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
-                            config=config, z_out=z_out, e_out=e_out)
+                            config=config, z_out=z_out, e_out=e_out, keep_label_term=stats_only)
     if e_out is not None and e_out[1].dim() == 2 and e_out[1].shape[1] < plan.num_vt:
         raise ValueError(f"lce_forward: mt must have at least {plan.num_vt} columns (vocab tiles of the config's "
                          f"block_n), got {e_out[1].shape[1]}")
@@ -552,12 +560,12 @@ def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
 
 
 def _combine_launch(S: int, N: int, S_zl: int, labels1d, V: int, opts: LceOptions, need_entropy: bool,
-                    need_sumz: bool, f32_like) -> Launch:
+                    need_sumz: bool, f32_like, label_out: bool = False) -> Launch:
     return Launch(
         lce_combine_kernel, (cdiv(N, _COMBINE_BLOCK),),
         f32_like, f32_like, f32_like, f32_like, f32_like, labels1d, f32_like, f32_like, f32_like, f32_like,
         N, V, S, S_zl, opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
-        BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz,
+        BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz, LABEL_OUT=label_out,
     )
 
 
