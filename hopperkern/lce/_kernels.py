@@ -103,10 +103,10 @@ def lce_forward_kernel(
     relative error of ~1e-6 / (1 - p) in p - 1, 1 % at p = 0.9999, more than one bf16 rounding.
 
     LABEL_OUT (with PICK_LABEL): the tile that holds a row's label column (any label in [0, V), an ignored token's
-    too) sums every column but the label's into s and t; lce_combine_kernel adds exp(z_label - m) back in fp64. For a confident prediction
-    s = 1 + (1 - p) / p: summed in fp32 with the label's 1 in it, the rounding of s near 1 (~1e-7, a few of them
-    over a tile's tree sum) would be all the precision 1 - p, the loss and p - 1 keep; without it they keep the
-    sum's relative precision.
+    too) sums every column but the label's into s and t; lce_combine_kernel adds exp(z_label - m) back in fp64.
+    For a confident prediction s = 1 + (1 - p) / p: summed in fp32 with the label's 1 in it, the rounding of s near
+    1 (~1e-7, a few of them over a tile's tree sum) would be all the precision 1 - p, the loss and p - 1 keep;
+    without it they keep the sum's relative precision.
     lce_label_mma_kernel gives the tile's own value without touching the tiles: at 128 x 256 tiles on sm_90 the
     pick (in the tiles that hold a label of their rows) takes the forward from 173-191 registers per thread
     without spills to 255 with 332-636 bytes of spills, and 8-11 % of its time on the H200.
@@ -724,8 +724,8 @@ def lce_exp_dlogits_kernel(
 ):
     """d(logits) under per-token upstream gradients from the forward's stored exponentials, in place or into
     ``out``: the 3-pass path of per-token outputs (log-probs and entropies, :mod:`hopperkern.lce.rl`). Grid
-    (cdiv(N, BLOCK_N), cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile within one of the forward's FWD_BLOCK_V-wide
-    vocab tiles (BLOCK_V divides FWD_BLOCK_V).
+    (cdiv(N, BLOCK_N), cdiv(V, BLOCK_V)); one program = one [BLOCK_N, BLOCK_V] tile within one of the forward's
+    FWD_BLOCK_V-wide vocab tiles (BLOCK_V divides FWD_BLOCK_V).
 
     The gradient of lce_dlogits_kernel + lce_onehot_kernel, dz = (p (A + B (z - lse)) + C [j == label] + D) / T,
     with p = e exp(m - lse) and z - lse = (m - lse) + log e formed in fp32 (only where the entropy term

@@ -349,7 +349,8 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
         HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
-        PICK_LABEL=in_tiles, LABEL_OUT=label_out, STORE_Z=store_z, STORE_E=store_e, E_TMA=d.use.get("exp_logits", False),
+        PICK_LABEL=in_tiles, LABEL_OUT=label_out, STORE_Z=store_z, STORE_E=store_e,
+        E_TMA=d.use.get("exp_logits", False),
         E_REF=e_ref, E_OFFSET=E_OFFSET, E_CLAMP=E_CLAMP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
