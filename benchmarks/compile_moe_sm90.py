@@ -3,9 +3,10 @@ print registers, spills, shared memory and the estimated resident programs per S
 
 For every config of the heuristics and of the tuner's candidate list on the PERF.md shapes, both TMA flags,
 flatten on and off, sorted and direct plans, the down GEMM with both top-k reductions (``--shipped``: the
-shipped tuning files' configs only); and the training path (forward saving pre-activations, the
-backward's dY, d_hidden and weight-gradient GEMMs) on the training shapes. Catches what the interpreter cannot: lowering and pipeliner
-failures, shared memory over 227 KiB, register spills, and a programs-per-SM estimate above what fits.
+shipped tuning files' configs only, their gate/up GEMMs of sorted plans also on the sorted row copy); and the
+training path (forward saving pre-activations, the backward's dY, d_hidden and weight-gradient GEMMs) on the
+training shapes. Catches what the interpreter cannot: lowering and pipeliner failures, shared memory over 227 KiB,
+register spills, and a programs-per-SM estimate above what fits.
 
     env -u TRITON_INTERPRET python -m benchmarks.compile_moe_sm90 [--quick | --shipped] [--jobs 16]
 """
@@ -103,8 +104,9 @@ def compile_one(job):
                     top_k=8, max_blocks=64, stride_xt=H, stride_xh=1, stride_we=2 * I * H, stride_wn=H, stride_wh=1,
                     stride_ym=I, stride_pm=2 * I)
         save = direct == "save"  # training forward: also stores the pre-activations
-        const = dict(common, ACT=K.ACT_SILU, DIRECT=bool(direct) and not save, SAVE_PRE=save, PG_TMA=save and y_tma,
-                     PU_TMA=save and y_tma)
+        xs = direct == "sorted_rows"  # A rows from the sorted copy, through TMA (MoeConfig.sorted_rows)
+        const = dict(common, ACT=K.ACT_SILU, DIRECT=bool(direct) and not (save or xs), SAVE_PRE=save,
+                     PG_TMA=save and y_tma, PU_TMA=save and y_tma, X_SORTED=xs)
     elif gemm == "dgate_up":
         fn, recompute = B._dgate_up_kernel, direct == "recompute"
         vals = dict(dout_ptr="bf16", w2_ptr="bf16", x_ptr="bf16", w13_ptr="bf16", pg_ptr="bf16", pu_ptr="bf16",
@@ -214,6 +216,8 @@ def shipped_jobs():
             for tma in (False, True):
                 g1, g2 = mc.gemm1.model_dump(), mc.gemm2.model_dump()
                 out.append((1, E, H, I, g1, tma, tma, mc.gemm1.flatten, direct))
+                if tma and not direct:  # the gate/up GEMM on the sorted copy (MoeConfig.sorted_rows), TMA only
+                    out.append((1, E, H, I, g1, tma, tma, mc.gemm1.flatten, "sorted_rows"))
                 if direct and mc.fused_topk:
                     out.append((2, E, H, I, g2, tma, tma, mc.gemm2.flatten, "fused"))
                 else:

@@ -140,13 +140,19 @@ class MoeConfig(BaseModel):
     """Both grouped GEMMs of one fused_moe call. They share block_m: the alignment pads to it.
 
     ``fused_topk``: with a direct plan (tiny batches), sum each token's k experts inside the down GEMM instead
-    of a separate top-k reduction (see :func:`hopperkern.moe.down`); ignored for sorted plans."""
+    of a separate top-k reduction (see :func:`hopperkern.moe.down`); ignored for sorted plans.
+
+    ``sorted_rows``: with a sorted plan, one launch first copies the token rows into the plan's sorted order, and
+    the gate/up GEMM reads that copy with 2-D TMA instead of gathering token rows with pointer loads (TMA gathers
+    need sm_100). It pays where the GEMM's reduction over H is long next to the copy (large I); ignored for direct
+    plans and where TMA is off."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gemm1: KernelConfig
     gemm2: KernelConfig
     fused_topk: bool = False
+    sorted_rows: bool = False
 
     @model_validator(mode="after")
     def _same_block_m(self):

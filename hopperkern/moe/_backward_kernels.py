@@ -27,29 +27,6 @@ from ..tma.jit import grouped_tile, load_2d, load_3d, store_2d, store_3d, tile_s
 from ._gemm_kernels import _RUNTIME_INTS, _block_slots, _sigmoid
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slots", "top_k"])
-def _gather_rows_kernel(
-    src_ptr,          # [T, H] token rows (any strides)
-    slots_ptr,        # [num_rows] int32 sorted slots (sentinel num_slots in padding)
-    num_blocks_ptr,   # [1] int32 live blocks
-    dst_ptr,          # [num_rows, H] out, unit inner stride: the token row of each live sorted row, zeros in padding
-    num_rows, num_slots, top_k, H, stride_st, stride_sh, stride_d,
-    ROWS_PER_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """dst[r] = src[slot(r) // top_k] for the live rows of the plan (0 for padding). Grid (cdiv(num_rows,
-    BLOCK_R), cdiv(H, BLOCK_H)); rows past the live blocks are skipped (never read)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = rows < tl.load(num_blocks_ptr) * ROWS_PER_BLOCK
-    slot = tl.load(slots_ptr + rows, mask=ok, other=num_slots)
-    live = ok & (slot < num_slots)
-    tok = (slot // top_k).to(tl.int64)
-    col_ok = (cols < H)[None, :]
-    vals = tl.load(src_ptr + tok[:, None] * stride_st + cols[None, :].to(tl.int64) * stride_sh,
-                   mask=live[:, None] & col_ok, other=0.0)
-    tl.store(dst_ptr + rows[:, None].to(tl.int64) * stride_d + cols[None, :], vals, mask=ok[:, None] & col_ok)
-
-
 @triton.jit
 def _activation_and_grad(g, ACT: tl.constexpr):
     """(act(g), d act / d g) in fp32. silu: s = sigmoid(g), act = g s, act' = s (1 + g (1 - s)).

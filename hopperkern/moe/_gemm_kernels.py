@@ -97,7 +97,7 @@ def _gate_up_kernel(
     ACT: tl.constexpr, W_TMA: tl.constexpr, Y_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     SAVE_PRE: tl.constexpr = False, PG_TMA: tl.constexpr = False, PU_TMA: tl.constexpr = False,
-    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False, X_SORTED: tl.constexpr = False,
 ):
     """GEMM1: y[r, n] = act(x[tok(r)] . w13[e, n]) * (x[tok(r)] . w13[e, I + n]), M = sorted rows, N = I,
     K = H. Persistent grid (<= NUM_PROGRAMS,); one tile = one row block x BLOCK_N columns of BOTH the gate and
@@ -116,6 +116,8 @@ def _gate_up_kernel(
     chain_start(PDL_WAIT, PDL_TRIGGER)
     w_src = tile_source_halves(w_ptr, E, I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, W_TMA)
     y_dst = tile_source_2d(y_ptr, num_rows, I, stride_ym, BLOCK_M, BLOCK_N, Y_TMA)
+    if X_SORTED:
+        x_src = tile_source_2d(x_ptr, num_rows, H, stride_xt, BLOCK_M, BLOCK_K, True)
     if SAVE_PRE:
         tl.static_assert(not DIRECT, "saving pre-activations needs a sorted plan (the backward walks its segments)")
         g_dst = tile_source_2d(pg_ptr, num_rows, I, stride_pm, BLOCK_M, BLOCK_N, PG_TMA)
@@ -132,7 +134,10 @@ def _gate_up_kernel(
             k0 = kk * BLOCK_K
             # K tail: both paths read zeros past H; so do columns past I (when I % BLOCK_N != 0), which are
             # never stored.
-            x = load_rows(x_ptr, tok, live, k0, H, stride_xt, stride_xh, BLOCK_K, False)
+            if X_SORTED:
+                x = load_2d(x_src, pid_m * BLOCK_M, k0, num_rows, H, stride_xt, 1, BLOCK_M, BLOCK_K, True)
+            else:
+                x = load_rows(x_ptr, tok, live, k0, H, stride_xt, stride_xh, BLOCK_K, False)
             w = load_halves(w_src, e, n0, k0, I, H, stride_we, stride_wn, stride_wh, BLOCK_N, BLOCK_K, W_TMA)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         acc_g, acc_u = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
@@ -300,3 +305,31 @@ def _topk_sum_kernel(
         acc = tl.where(cols < tl.where((e < -1) | (e >= E), H, 0), float("nan"), acc)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty),
              mask=cols < H)
+
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_slots", "top_k"])
+def _gather_rows_kernel(
+    src_ptr,          # [T, H] token rows (any strides)
+    slots_ptr,        # [num_rows] int32 sorted slots (sentinel num_slots in padding)
+    num_blocks_ptr,   # [1] int32 live blocks
+    dst_ptr,          # [num_rows, H] out, unit inner stride: the token row of each live sorted row, zeros in padding
+    num_rows, num_slots, top_k, H, stride_st, stride_sh, stride_d,
+    ROWS_PER_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
+):
+    """dst[r] = src[slot(r) // top_k] for the live rows of the plan (0 for padding): the sorted row copies that
+    let a GEMM read its row operand as contiguous tiles (2-D TMA) instead of gathering token rows (the forward's
+    gate/up GEMM with ``MoeConfig.sorted_rows``; the backward's weight gradients). Grid (cdiv(num_rows, BLOCK_R),
+    cdiv(H, BLOCK_H)); rows past the live blocks are skipped (never read)."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = rows < tl.load(num_blocks_ptr) * ROWS_PER_BLOCK
+    slot = tl.load(slots_ptr + rows, mask=ok, other=num_slots)
+    live = ok & (slot < num_slots)
+    tok = (slot // top_k).to(tl.int64)
+    col_ok = (cols < H)[None, :]
+    vals = tl.load(src_ptr + tok[:, None] * stride_st + cols[None, :].to(tl.int64) * stride_sh,
+                   mask=live[:, None] & col_ok, other=0.0)
+    tl.store(dst_ptr + rows[:, None].to(tl.int64) * stride_d + cols[None, :], vals, mask=ok[:, None] & col_ok)

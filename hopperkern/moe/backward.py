@@ -26,18 +26,18 @@ from __future__ import annotations
 import torch
 
 from .. import tma as _tma
-from .._host import cdiv, next_power_of_2
+from .._host import cdiv
 from .._validate import dot_precision
 from ..tuning import KernelConfig, MoeConfig
-from ._backward_kernels import _dgate_up_kernel, _expert_wgrad_kernel, _gather_rows_kernel, _topk_weight_grad_kernel
+from ._backward_kernels import _dgate_up_kernel, _expert_wgrad_kernel, _topk_weight_grad_kernel
 from .align import AlignPlan
 from .configs import num_programs
-from .gemm import ACTIVATIONS, slot_gemm_sum
+from ..tma.launcher import run_steps
+from .gemm import ACTIVATIONS, gather_rows_step, plan_env, slot_gemm_sum
 
 __all__ = ["backward_configs", "gather_rows", "moe_backward", "wgrad_config"]
 
 _TW_BLOCK = 256  # rows per program of the topk-weight gradient reduction
-_GATHER_BLOCK_R, _GATHER_BLOCK_H = 16, 512  # rows x columns per program of the sorted row copies
 
 
 def wgrad_config(block_m: int, dtype, interpreter: bool = False) -> KernelConfig:
@@ -214,13 +214,9 @@ def gather_rows(src: torch.Tensor, plan: AlignPlan) -> torch.Tensor:
     if plan.num_slots != src.shape[0] * plan.top_k:
         raise ValueError(f"src must have {plan.num_slots // max(plan.top_k, 1)} rows (the plan's tokens), got "
                          f"shape {tuple(src.shape)}")
-    rows, H = plan.max_rows, src.shape[1]
-    out = torch.empty((rows, H), dtype=src.dtype, device=src.device)
-    bh = min(_GATHER_BLOCK_H, next_power_of_2(max(H, 1)))
-    _gather_rows_kernel[(cdiv(rows, _GATHER_BLOCK_R), cdiv(H, bh))](
-        src, plan.sorted_slots, plan.num_blocks, out, rows, plan.num_slots, plan.top_k, H, src.stride(0),
-        src.stride(1), out.stride(0), ROWS_PER_BLOCK=plan.block_m, BLOCK_R=_GATHER_BLOCK_R, BLOCK_H=bh, num_warps=4,
-    )
+    out = torch.empty((plan.max_rows, src.shape[1]), dtype=src.dtype, device=src.device)
+    env = dict(hidden=src, xs=out, **plan_env(plan))
+    run_steps([gather_rows_step(env, plan)], env)
     return out
 
 

@@ -92,7 +92,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     run, and it costs a memset and a cast launch. The same holds for d_hidden in the backward.
     config: a :class:`hopperkern.tuning.MoeConfig` to use instead of the tuning file / heuristics. Its
     ``fused_topk`` (tuned per shape) makes tiny batches (a direct plan, see :func:`hopperkern.moe.prefer_direct`)
-    sum each token's k experts inside the down GEMM: deterministic there whatever ``deterministic`` says.
+    sum each token's k experts inside the down GEMM: deterministic there whatever ``deterministic`` says. Its
+    ``sorted_rows`` (tuned per shape and token count) makes sorted plans copy the token rows into sorted order
+    first, so that the gate/up GEMM reads them with TMA (the same products and sums: the same results); the
+    copy shares the per-slot rows' memory, and "moe.gemm1"'s decision then names it ``xs``.
     When autograd records, the forward always uses a sorted plan (the backward walks expert segments).
 
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte

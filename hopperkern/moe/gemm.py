@@ -19,7 +19,8 @@ from .. import tma as _tma
 from .._host import cdiv, next_power_of_2
 from .._validate import check_choice, dot_precision
 from ..tuning import KernelConfig
-from ._gemm_kernels import ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel, _topk_sum_kernel
+from ._gemm_kernels import (ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel,
+                            _gather_rows_kernel, _topk_sum_kernel)
 from ..tma.launcher import Launch, run_steps
 from .align import AlignPlan, flat_ids
 from .configs import atomic_config, chain_decode, num_programs
@@ -109,25 +110,47 @@ def plan_env(plan: AlignPlan) -> dict:
     return dict(slots=plan.sorted_slots, block_expert=plan.block_expert, num_blocks=plan.num_blocks)
 
 
-def gate_up_step(env: dict, plan: AlignPlan, config: KernelConfig, activation: str, d, save: bool):
+def gate_up_step(env: dict, plan: AlignPlan, config: KernelConfig, activation: str, d, save: bool,
+                 sorted_rows: bool = False):
     """The launch of :func:`gate_up` as a ``(Launch, tensor names)`` step over ``env`` (hidden, w13, inter,
-    pre_gate, pre_up and :func:`plan_env`'s names); ``d`` is its TMA decision."""
-    hidden, w13, out, pg = env["hidden"], env["w13"], env["inter"], env["pre_gate"]
+    pre_gate, pre_up and :func:`plan_env`'s names); ``d`` is its TMA decision. ``sorted_rows``: the A rows are
+    ``env["xs"]``, :func:`gather_rows_step`'s sorted copy of the token rows, read with 2-D TMA."""
+    w13, out, pg = env["w13"], env["inter"], env["pre_gate"]
+    x_name = "xs" if sorted_rows else "hidden"
+    x = env[x_name]
     E, two_i, H = w13.shape
     I = two_i // 2  # noqa: E741
     bn = config.block_n
-    progs = num_programs(config, hidden.element_size(), 2, hidden.device)
-    names = ("hidden", "w13", "inter", "pre_gate", "pre_up", "slots", "block_expert", "num_blocks")
+    progs = num_programs(config, x.element_size(), 2, x.device)
+    names = (x_name, "w13", "inter", "pre_gate", "pre_up", "slots", "block_expert", "num_blocks")
     return Launch(
         _gate_up_kernel, (min(plan.max_blocks * cdiv(I, bn), progs),), *[env[n] for n in names],
         E, H, I, plan.max_rows, plan.num_slots, plan.top_k, plan.max_blocks,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0),
         pg.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        ACT=ACTIVATIONS[activation], W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=dot_precision(hidden.dtype),
+        ACT=ACTIVATIONS[activation], W_TMA=d["w13"], Y_TMA=d["inter"], DOT_PRECISION=dot_precision(x.dtype),
         DIRECT=plan.direct, NUM_PROGRAMS=progs, FLATTEN=config.flatten, SAVE_PRE=save,
-        PG_TMA=save and d["pre_gate"], PU_TMA=save and d["pre_up"],
+        PG_TMA=save and d["pre_gate"], PU_TMA=save and d["pre_up"], X_SORTED=sorted_rows,
         num_warps=config.num_warps, num_stages=config.num_stages,
+    ), names
+
+
+_GATHER_BLOCK_R, _GATHER_BLOCK_H = 16, 512  # rows x columns per program of the sorted row copies
+
+
+def gather_rows_step(env: dict, plan: AlignPlan, src: str = "hidden", dst: str = "xs"):
+    """The copy of the token rows ``env[src]`` [T, H] into the plan's sorted order ``env[dst]`` [plan.max_rows, H]
+    (unit inner stride) as a step over ``env`` (and :func:`plan_env`'s names): dst[r] = src[slot(r) // k] for the
+    live sorted rows, zeros for padding rows, rows past the live blocks untouched. Sorted plans only."""
+    t, out = env[src], env[dst]
+    H = t.shape[1]
+    bh = min(_GATHER_BLOCK_H, next_power_of_2(max(H, 1)))
+    names = (src, "slots", "num_blocks", dst)
+    return Launch(
+        _gather_rows_kernel, (cdiv(plan.max_rows, _GATHER_BLOCK_R), cdiv(H, bh)), *[env[n] for n in names],
+        plan.max_rows, plan.num_slots, plan.top_k, H, t.stride(0), t.stride(1), out.stride(0),
+        ROWS_PER_BLOCK=plan.block_m, BLOCK_R=_GATHER_BLOCK_R, BLOCK_H=bh, num_warps=4,
     ), names
 
 

@@ -27,7 +27,8 @@ from .align import (AlignPlan, align_steps, direct_plan, empty_plan, flat_ids, m
                     scratch_shapes)
 from .backward import moe_backward
 from .configs import chain_decode, moe_launch_config
-from .gemm import direct_pointer_reason, down_direct_step, gate_up_step, slot_buffer_shape, slot_steps
+from .gemm import (direct_pointer_reason, down_direct_step, gate_up_step, gather_rows_step, slot_buffer_shape,
+                   slot_steps)
 
 __all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "ForwardPlan", "cached_forward", "check_expert_ids", "config_from_list",
            "config_to_list", "moe_backward_op", "moe_forward_impl", "moe_forward_op", "moe_forward_run", "plan_key"]
@@ -55,7 +56,8 @@ def config_to_list(config: MoeConfig | None) -> list[int] | None:
     """A MoeConfig as the flat int list a custom op can take (None stays None)."""
     if config is None:
         return None
-    return [int(getattr(g, f)) for g in (config.gemm1, config.gemm2) for f in _KC_FIELDS] + [int(config.fused_topk)]
+    return ([int(getattr(g, f)) for g in (config.gemm1, config.gemm2) for f in _KC_FIELDS]
+            + [int(config.fused_topk), int(config.sorted_rows)])
 
 
 def config_from_list(values) -> MoeConfig:
@@ -63,7 +65,8 @@ def config_from_list(values) -> MoeConfig:
     g1, g2 = (dict(zip(_KC_FIELDS, values[i * n:(i + 1) * n])) for i in range(2))
     for g in (g1, g2):
         g["flatten"] = bool(g["flatten"])
-    return MoeConfig(gemm1=KernelConfig(**g1), gemm2=KernelConfig(**g2), fused_topk=bool(values[2 * n]))
+    return MoeConfig(gemm1=KernelConfig(**g1), gemm2=KernelConfig(**g2), fused_topk=bool(values[2 * n]),
+                     sorted_rows=bool(values[2 * n + 1]))
 
 
 def _config(hidden, w13, w2, topk_ids, config) -> MoeConfig:
@@ -202,30 +205,42 @@ class ForwardPlan(Plan):
             self.i32_sizes = [round_up(_numel(v), _ALIGN_ELEMS) for v in shapes.values()]
             self.i32_total = sum(self.i32_sizes)
         self.rows = sample.max_rows
+        self.H = H
+        # A sorted copy of the token rows for the gate/up GEMM's TMA loads, where the config asks for it and the
+        # copy can be a TMA operand at all (16-byte row pitch); the TMA decision below may still turn it down.
+        self.sorted_rows = (not self.direct and cfg.sorted_rows and self.rows > 0
+                            and (H * hidden.element_size()) % 16 == 0)
         self.out_shape = (T, H)
         self.fused_topk = self.direct and cfg.fused_topk
         self.deterministic = deterministic or self.fused_topk
         self.buf_shape = None if self.fused_topk else slot_buffer_shape(T, k, H, deterministic)
         self.ids_flat = topk_ids.is_contiguous()
         per_slot = self.deterministic and not self.fused_topk
-        self.scratch_sizes = [round_up(self.rows * I, _ALIGN_ELEMS)] + ([round_up(T * k * H, _ALIGN_ELEMS)]
-                                                                          if per_slot else [])
-        self.scratch_total = sum(self.scratch_sizes)
-        self.layout, self.layout_bytes = self._layout(hidden.element_size(), per_slot)
+        self._lay_out(hidden.element_size(), per_slot)
         self.all_bound = False
         env = self._env(hidden, w13, w2, topk_weights, topk_ids)
-        d1 = decide(tma, dict(w13=(w13, (1, cfg.gemm1.block_n, cfg.gemm1.block_k)),
-                              inter=(env["inter"], (bm, cfg.gemm1.block_n)),
-                              **({} if save != SAVE_PRE else dict(
-                                  pre_gate=(env["pre_gate"], (bm, cfg.gemm1.block_n)),
-                                  pre_up=(env["pre_up"], (bm, cfg.gemm1.block_n))))), op="moe.gemm1",
-                    record=False, auto_pointer=direct_pointer_reason(sample))
+        ops1 = dict(w13=(w13, (1, cfg.gemm1.block_n, cfg.gemm1.block_k)),
+                    inter=(env["inter"], (bm, cfg.gemm1.block_n)))
+        if save == SAVE_PRE:
+            ops1.update(pre_gate=(env["pre_gate"], (bm, cfg.gemm1.block_n)),
+                        pre_up=(env["pre_up"], (bm, cfg.gemm1.block_n)))
+        if self.sorted_rows:
+            ops1["xs"] = (env["xs"], (bm, cfg.gemm1.block_k))
+        d1 = decide(tma, ops1, op="moe.gemm1", record=False, auto_pointer=direct_pointer_reason(sample))
+        if self.sorted_rows and not d1["xs"]:
+            # No TMA for the copy (tma="never", a GPU without TMA): the GEMM gathers the token rows itself.
+            self.sorted_rows = False
+            self._lay_out(hidden.element_size(), per_slot)
+            del ops1["xs"]
+            d1 = decide(tma, ops1, op="moe.gemm1", record=False, auto_pointer=direct_pointer_reason(sample))
         d2 = decide(tma, dict(inter=(env["inter"], (bm, cfg.gemm2.block_k)),
                               w2=(w2, (1, cfg.gemm2.block_n, cfg.gemm2.block_k))), op="moe.gemm2", record=False,
                     auto_pointer=direct_pointer_reason(sample))
         self.decisions = (d1, d2)
         steps = [] if self.direct else align_steps(env, T * k, E, bm, sample.max_blocks)
-        steps.append(gate_up_step(env, sample, cfg.gemm1, activation, d1, save == SAVE_PRE))
+        if self.sorted_rows:
+            steps.append(gather_rows_step(env, sample))
+        steps.append(gate_up_step(env, sample, cfg.gemm1, activation, d1, save == SAVE_PRE, self.sorted_rows))
         if self.fused_topk:
             steps.append(down_direct_step(env, sample, cfg.gemm2, d2))
         else:
@@ -233,6 +248,17 @@ class ForwardPlan(Plan):
         # Decode sizes: each kernel may start while the one before it drains (programmatic dependent launch); the
         # first waits for the work before the call in plain stream order.
         self.steps = chain_decode(steps, T, dev)
+
+    def _lay_out(self, elem: int, per_slot: bool) -> None:
+        """Sizes of the scratch pieces (in elements of hidden's dtype) for calls after the first, and the byte
+        layout of direct calls (:meth:`_layout`). The sorted token rows (``xs``) share the per-slot rows' piece:
+        the gate/up GEMM has read them before the down GEMM writes the per-slot rows."""
+        xs = self.rows * self.H if self.sorted_rows else 0
+        slot_rows = self.buf_shape[0] * self.buf_shape[1] if per_slot else 0
+        sizes = [self.rows * self.I] + ([max(slot_rows, xs)] if per_slot or xs else [])
+        self.scratch_sizes = [round_up(n, _ALIGN_ELEMS) for n in sizes]
+        self.scratch_total = sum(self.scratch_sizes)
+        self.layout, self.layout_bytes = self._layout(elem, per_slot)
 
     def _layout(self, elem: int, per_slot: bool):
         """Where an inference call's scratch lies in one byte allocation when its launches go direct: ``(name,
@@ -242,14 +268,19 @@ class ForwardPlan(Plan):
             return (), 0
         sizes = [(name, _numel(shape) * 4) for name, shape in self.i32.items()]
         sizes.append(("inter", self.rows * self.I * elem))
+        xs = self.rows * self.H * elem if self.sorted_rows else 0
         if per_slot:
-            sizes.append(("buf", _numel(self.buf_shape) * elem))
+            sizes.append(("buf", max(_numel(self.buf_shape) * elem, xs)))
+        elif xs:
+            sizes.append(("xs", xs))
         layout, offset = [], 0
         for name, nbytes in sizes:
             layout.append((name, offset))
             offset += round_up(max(nbytes, 1), PIECE_ALIGN)
-        for alias, name in (("pre_gate", "inter"), ("pre_up", "inter")) + (() if self.direct else
-                                                                           (("slots", "sorted_slots"),)):
+        aliases = (("pre_gate", "inter"), ("pre_up", "inter")) + (() if self.direct else (("slots", "sorted_slots"),))
+        if self.sorted_rows and per_slot:
+            aliases += (("xs", "buf"),)
+        for alias, name in aliases:
             layout.append((alias, dict(layout)[name]))
         return tuple(layout), offset
 
@@ -301,6 +332,8 @@ class ForwardPlan(Plan):
             env["inter"] = env["pre_gate"] = env["pre_up"] = pieces[0]
             if per_slot:
                 env["buf"] = pieces[1]
+            if self.sorted_rows:
+                env["xs"] = pieces[1]  # shared with the per-slot rows (see _lay_out)
         else:
             env["inter"] = inter = torch.empty((self.rows, self.I), dtype=dt, device=dev)
             if self.save == SAVE_PRE:
@@ -310,6 +343,8 @@ class ForwardPlan(Plan):
                 env["pre_gate"] = env["pre_up"] = inter
             if per_slot:
                 env["buf"] = torch.empty(self.buf_shape, dtype=dt, device=dev)
+            if self.sorted_rows:
+                env["xs"] = torch.empty((self.rows, self.H), dtype=dt, device=dev)
         if self.fused_topk or per_slot:
             env["out"] = out
         else:

@@ -237,6 +237,8 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                     log(f"  {key} T={T} block_m={bm}: gemm1 {g1[0] * 1e3:.1f} us {g1[1].model_dump()} | "
                         f"gemm2{' fused top-k' if fused else ''} {g2[0] * 1e3:.1f} us {g2[1].model_dump()}")
                     finalists.append((g1[0] + g2[0], MoeConfig(gemm1=g1[1], gemm2=g2[1], fused_topk=fused)))
+                    if not plan.direct:  # the same tiles with the gate/up GEMM reading a sorted copy through TMA
+                        finalists.append((g1[0] + g2[0], MoeConfig(gemm1=g1[1], gemm2=g2[1], sorted_rows=True)))
                 del inter, plan
             best = _final_pick(finalists, in_use(E, H, I, dtype, T, top_k, x.device),
                                lambda mc: moe.fused_moe(x, w13, w2, weights, ids, config=mc), err, timer, settle, log)
