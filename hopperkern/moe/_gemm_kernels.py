@@ -307,7 +307,6 @@ def _topk_sum_kernel(
              mask=cols < H)
 
 
-
 @triton.jit(do_not_specialize=["num_rows", "num_slots", "top_k"])
 def _gather_rows_kernel(
     src_ptr,          # [T, H] token rows (any strides)

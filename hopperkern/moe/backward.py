@@ -28,11 +28,11 @@ import torch
 from .. import tma as _tma
 from .._host import cdiv
 from .._validate import dot_precision
+from ..tma.launcher import run_steps
 from ..tuning import KernelConfig, MoeConfig
 from ._backward_kernels import _dgate_up_kernel, _expert_wgrad_kernel, _topk_weight_grad_kernel
 from .align import AlignPlan
 from .configs import num_programs
-from ..tma.launcher import run_steps
 from .gemm import ACTIVATIONS, gather_rows_step, plan_env, slot_gemm_sum
 
 __all__ = ["backward_configs", "gather_rows", "moe_backward", "wgrad_config"]
