@@ -316,6 +316,39 @@ def test_moe_tuner_times_the_runner_up_down_config_end_to_end(monkeypatch):
     assert not any("'block_n': 64" in m for m in logs if m.lstrip().startswith("fused_moe")), logs
 
 
+@pytest.mark.parametrize("min_t", [8, None], ids=["sorted rows tried", "below SORTED_ROWS_MIN_T"])
+def test_moe_tuner_weighs_sorted_rows_end_to_end(min_t, monkeypatch):
+    """From SORTED_ROWS_MIN_T tokens each sorted-plan finalist also runs end to end with sorted_rows (and wins
+    here, timed faster); below it no sorted-rows config is timed at all."""
+    import torch
+
+    import hopperkern.moe as moe_pkg
+    from hopperkern.tune import moe_tuner
+
+    def tiny(block_m, gemm):
+        return [KernelConfig(block_m=block_m, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)]
+
+    seen, real_fused = {}, moe_pkg.fused_moe
+
+    def fused_moe(*args, config=None, **kw):
+        seen["sorted"] = config.sorted_rows
+        return real_fused(*args, config=config, **kw)
+
+    def timer(fn):
+        seen["sorted"] = None
+        fn()
+        return {None: 1.0, False: 2.0, True: 1.5}[seen["sorted"]]
+
+    monkeypatch.setattr(moe_tuner, "candidates", tiny)
+    monkeypatch.setattr(moe_pkg, "fused_moe", fused_moe)
+    if min_t is not None:
+        monkeypatch.setattr(moe_tuner, "SORTED_ROWS_MIN_T", min_t)
+    logs = []
+    found = moe_tuner.tune_moe([(4, 64, 32, 2)], (8,), torch.float32, log=logs.append, device="cpu", time_fn=timer)
+    tried = any("'sorted_rows': True" in m for m in logs if m.lstrip().startswith("fused_moe"))
+    assert found["E4_H64_I32_float32"]["8"].sorted_rows is tried is (min_t is not None), logs
+
+
 def test_moe_final_pick_keeps_the_config_in_use_unless_beaten():
     """The per-block_m winners run end to end beside the config in use: the fastest of them wins (the one in use
     too), a wrong one never does, and a lone finalist is taken without timing."""

@@ -132,6 +132,10 @@ def _timer(graph: bool):
 
 
 FINALIST_DOWNS = 2  # down configs per block_m (the fastest timed apart) that the end-to-end pick times
+# From this many tokens the end-to-end pick also times each sorted-plan finalist with MoeConfig.sorted_rows. Below,
+# the GEMMs stream weights and the row copy is one more launch for nothing (H200, same tiles: 0.95-1.03 x at 1024
+# tokens, 0.92-0.98 x for gpt-oss-120B and mixtral-8x7B at 4096 and 16384).
+SORTED_ROWS_MIN_T = 1024
 
 SETTLE_S = {True: 0.2, False: 0.5}  # seconds of back-to-back calls before a bucket's timing rounds (graph, eager)
 
@@ -237,7 +241,7 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                     log(f"  {key} T={T} block_m={bm}: gemm1 {g1[0] * 1e3:.1f} us {g1[1].model_dump()} | "
                         f"gemm2{' fused top-k' if fused else ''} {g2[0] * 1e3:.1f} us {g2[1].model_dump()}")
                     finalists.append((g1[0] + g2[0], MoeConfig(gemm1=g1[1], gemm2=g2[1], fused_topk=fused)))
-                    if not plan.direct:  # the same tiles with the gate/up GEMM reading a sorted copy through TMA
+                    if not plan.direct and T >= SORTED_ROWS_MIN_T:  # the same tiles, the gate/up GEMM on a sorted copy
                         finalists.append((g1[0] + g2[0], MoeConfig(gemm1=g1[1], gemm2=g2[1], sorted_rows=True)))
                 del inter, plan
             best = _final_pick(finalists, in_use(E, H, I, dtype, T, top_k, x.device),
