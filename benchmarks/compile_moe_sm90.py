@@ -2,8 +2,9 @@
 print registers, spills, shared memory and the estimated resident programs per SM against the real ones.
 
 For every config of the heuristics and of the tuner's candidate list on the PERF.md shapes, both TMA flags,
-flatten on and off, sorted and direct plans, the down GEMM with both top-k reductions (``--shipped``: the
-shipped tuning files' configs only, their gate/up GEMMs of sorted plans also on the sorted row copy); and the
+flatten on and off, sorted and direct plans, the down GEMM with both top-k reductions, and the kernel that runs
+both GEMMs of a direct plan (``MoeConfig.fused_mlp``, the tuner's candidates for one token); ``--shipped``: the
+shipped tuning files' configs only, their gate/up GEMMs of sorted plans also on the sorted row copy. Also the
 training path (forward saving pre-activations, the backward's dY, d_hidden and weight-gradient GEMMs) on the
 training shapes. Catches what the interpreter cannot: lowering and pipeliner failures, shared memory over 227 KiB,
 register spills, and a programs-per-SM estimate above what fits.
@@ -127,6 +128,14 @@ def compile_one(job):
                     stride_a=M, stride_b=N, stride_oe=M * N, stride_om=N, stride_on=1)
         const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                      A_TMA=y_tma, B_TMA=y_tma, O_TMA=y_tma, DOT_PRECISION="tf32", NUM_PROGRAMS=132, FLATTEN=flatten)
+    elif gemm == "mlp":  # MoeConfig.fused_mlp: both GEMMs of a DIRECT plan in one kernel; direct = (block_h, stages)
+        fn = K._gate_up_down_kernel
+        vals = dict(x_ptr="bf16", w13_ptr="bf16", w2_ptr="bf16", part_ptr="fp32", tw_ptr="fp32", ids_ptr="i32", E=E,
+                    H=H, I=I, num_slots=8, top_k=8, stride_xt=H, stride_xh=1, stride_w1e=2 * I * H, stride_w1n=H,
+                    stride_w1h=1, stride_w2e=H * I, stride_w2h=I, stride_w2i=1, stride_twt=8, stride_twk=1, stride_p=H)
+        const = dict(BLOCK_M=cfg.block_m, BLOCK_I=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_H=direct[0],
+                     STAGES_1=cfg.num_stages, STAGES_2=direct[1], ACT=K.ACT_SILU, W1_TMA=w_tma, W2_TMA=y_tma,
+                     DOT_PRECISION="tf32", PDL_WAIT=True, PDL_TRIGGER=True)
     elif direct == "fused":  # a DIRECT plan's down GEMM with the top-k sum inside
         fn = K._down_direct_kernel
         vals = dict(y_ptr="bf16", w_ptr="bf16", out_ptr="bf16", tw_ptr="fp32", ids_ptr="i32", E=E, H=H, I=I,
@@ -165,7 +174,7 @@ def compile_one(job):
 
 def jobs(quick: bool):
     from hopperkern.moe.configs import heuristic_config
-    from hopperkern.tune.moe_tuner import BUCKETS, block_m_choices, candidates, fused_candidates
+    from hopperkern.tune.moe_tuner import BUCKETS, block_m_choices, candidates, fused_candidates, fused_mlp_candidates
     from hopperkern.tune.shapes import MOE_SHAPES as SHAPES
 
     cfgs = {}  # (gemm, E, H, I) -> {config dict}
@@ -181,6 +190,10 @@ def jobs(quick: bool):
                     for c in candidates(bm, gemm) + (fused_candidates(bm) if gemm == 2 and bm == 16 else []):
                         cfgs.setdefault((gemm, E, H, I), {})[tuple(sorted(c.model_dump().items()))] = c
     out = backward_jobs()
+    for E, k, H, I in SHAPES.values():  # noqa: E741 - both GEMMs in one kernel (fused_mlp), one token's slots
+        for mc in fused_mlp_candidates(k, I):
+            out += [("mlp", E, H, I, mc.gemm1.model_dump(), tma, tma, False, (mc.gemm2.block_n, mc.gemm2.num_stages))
+                    for tma in (False, True)]
     for (gemm, E, H, I), cs in cfgs.items():  # noqa: E741
         for c in cs.values():
             d = c.model_dump()
@@ -201,7 +214,8 @@ def jobs(quick: bool):
 def shipped_jobs():
     """Every config of the shipped tuning files (configs/*.json) as fused_moe runs it, both memory paths:
     the gate/up GEMM (direct plan where the bucket takes one), the down GEMM with both top-k reductions (fixed
-    order and fp32 atomics), and the fused top-k down GEMM where the entry asks for it."""
+    order and fp32 atomics), the fused top-k down GEMM where the entry asks for it, and the one kernel of both
+    GEMMs where a direct bucket takes ``fused_mlp``."""
     from pathlib import Path
 
     from hopperkern.moe.align import prefer_direct
@@ -215,6 +229,9 @@ def shipped_jobs():
             direct = prefer_direct(int(bucket), k, E)
             for tma in (False, True):
                 g1, g2 = mc.gemm1.model_dump(), mc.gemm2.model_dump()
+                if direct and mc.fused_mlp:  # both GEMMs in one kernel; no atomic variant (always in fixed order)
+                    out.append(("mlp", E, H, I, g1, tma, tma, False, (mc.gemm2.block_n, mc.gemm2.num_stages)))
+                    continue
                 out.append((1, E, H, I, g1, tma, tma, mc.gemm1.flatten, direct))
                 if tma and not direct:  # the gate/up GEMM on the sorted copy (MoeConfig.sorted_rows), TMA only
                     out.append((1, E, H, I, g1, tma, tma, mc.gemm1.flatten, "sorted_rows"))

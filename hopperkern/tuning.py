@@ -145,7 +145,13 @@ class MoeConfig(BaseModel):
     ``sorted_rows``: with a sorted plan, one launch first copies the token rows into the plan's sorted order, and
     the gate/up GEMM reads that copy with 2-D TMA instead of gathering token rows with pointer loads (TMA gathers
     need sm_100). It pays where I is large (the GEMM's work per copied row grows with I; on the H200, gpt-oss-120B
-    and mixtral-8x7B from 4096 tokens); ignored for direct plans and where TMA is off."""
+    and mixtral-8x7B from 4096 tokens); ignored for direct plans and where TMA is off.
+
+    ``fused_mlp``: with a direct plan, one kernel runs both GEMMs, one program per (slot, slice of
+    ``gemm1.block_n`` columns of I), and a second launch adds each token's partial rows in a fixed order
+    (deterministic). ``gemm1.block_k`` is the gate/up step over H, ``gemm2.block_n`` the down GEMM's chunk of H and
+    ``gemm2.block_k`` its step over the slice, so it must equal ``gemm1.block_n``; each GEMM's ``num_stages``
+    pipelines its loop, and the two share ``num_warps``. Ignored for sorted plans (they run the two GEMMs)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -153,11 +159,21 @@ class MoeConfig(BaseModel):
     gemm2: KernelConfig
     fused_topk: bool = False
     sorted_rows: bool = False
+    fused_mlp: bool = False
 
     @model_validator(mode="after")
     def _same_block_m(self):
         if self.gemm1.block_m != self.gemm2.block_m:
             raise ValueError(f"gemm1.block_m ({self.gemm1.block_m}) must equal gemm2.block_m ({self.gemm2.block_m})")
+        if self.fused_mlp:
+            if self.fused_topk:
+                raise ValueError("fused_mlp and fused_topk exclude each other (fused_mlp sums the top-k itself)")
+            if self.gemm2.block_k != self.gemm1.block_n:
+                raise ValueError(f"fused_mlp: gemm2.block_k ({self.gemm2.block_k}) must equal gemm1.block_n "
+                                 f"({self.gemm1.block_n}), the slice of I both GEMMs of a program share")
+            if self.gemm2.num_warps != self.gemm1.num_warps:
+                raise ValueError(f"fused_mlp: gemm2.num_warps ({self.gemm2.num_warps}) must equal gemm1.num_warps "
+                                 f"({self.gemm1.num_warps}): both GEMMs run in one kernel")
         return self
 
 

@@ -543,3 +543,55 @@ def test_sorted_rows_needs_a_16_byte_row_pitch(device):
     out = moe.fused_moe(*args, tma="auto", config=MoeConfig(gemm1=g, gemm2=g, sorted_rows=True))
     check_against_reference(out, args)
     assert "xs" not in tma.last_decision("moe.gemm1").use
+
+
+def _fused_mlp_config(block_i=16, block_k=32, block_h=32):
+    g1 = KernelConfig(block_m=16, block_n=block_i, block_k=block_k, group_m=1, num_warps=4, num_stages=2)
+    g2 = KernelConfig(block_m=16, block_n=block_h, block_k=block_i, group_m=1, num_warps=4, num_stages=2)
+    return MoeConfig(gemm1=g1, gemm2=g2, fused_mlp=True)
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_fused_mlp_direct_plan(mode, device):
+    """``MoeConfig.fused_mlp``: a direct plan runs both GEMMs in one kernel per (slot, slice of I) and sums the
+    partial rows per token in a fixed order. Three tokens with k = 3 over 40 experts (direct), I = 40 over three
+    slices of 16 (a tail), H = 72 over chunks of 32 (a tail), a dropped slot, int64 ids, gelu_tanh; fp16 and
+    fp32. Right against the reference and bitwise the same on a fresh and a cached plan; the decisions name the
+    weights only. A token whose id is outside [-1, E) gets a NaN row, the others stay right."""
+    cfg = _fused_mlp_config()
+    for dtype in (torch.float16, torch.float32):
+        args = make_inputs(3, 40, 72, 40, 3, dtype, device, seed=21, drop=0.0)
+        args[4] = args[4].long()
+        args[4][1, 2] = -1
+        assert moe.prefer_direct(3, 3, 40)
+        outs = [moe.fused_moe(*args, tma=mode, config=cfg, activation="gelu_tanh") for _ in range(2)]
+        check_against_reference(outs[0], args, activation="gelu_tanh")
+        assert torch.equal(outs[0], outs[1])
+        assert dict(tma.last_decision("moe.gemm1").use) == {"w13": mode == "always"}
+        assert dict(tma.last_decision("moe.gemm2").use) == {"w2": mode == "always"}
+    bad = [t.clone() for t in args]
+    bad[4][2, 0] = 40
+    out = moe.fused_moe(*bad, tma=mode, config=cfg, activation="gelu_tanh", check_ids=False)
+    assert bool(out[2].isnan().all()) and bool(torch.isfinite(out[:2]).all())
+    torch.testing.assert_close(out[:2], outs[0][:2], rtol=0, atol=0)
+
+
+def test_fused_mlp_config_rules_and_sorted_plans(device):
+    """The config model rejects a fused_mlp whose two GEMMs disagree on the slice of I or on num_warps, or that
+    also asks for fused_topk; a sorted plan (more slots than a direct plan takes) ignores fused_mlp and runs the
+    two GEMMs; the flat config list a custom op takes keeps the field."""
+    cfg = _fused_mlp_config()
+    with pytest.raises(ValueError, match="block_k"):
+        MoeConfig(gemm1=cfg.gemm1, gemm2=cfg.gemm2.model_copy(update={"block_k": 32}), fused_mlp=True)
+    with pytest.raises(ValueError, match="num_warps"):
+        MoeConfig(gemm1=cfg.gemm1, gemm2=cfg.gemm2.model_copy(update={"num_warps": 8}), fused_mlp=True)
+    with pytest.raises(ValueError, match="exclude"):
+        MoeConfig(gemm1=cfg.gemm1, gemm2=cfg.gemm2, fused_mlp=True, fused_topk=True)
+    from hopperkern.moe.ops import config_from_list, config_to_list
+
+    assert config_from_list(config_to_list(cfg)) == cfg
+    args = make_inputs(12, 6, 64, 32, 2, torch.float16, device, seed=22)
+    assert not moe.prefer_direct(12, 2, 6)
+    out = moe.fused_moe(*args, config=cfg)
+    check_against_reference(out, args)
+    assert "inter" in tma.last_decision("moe.gemm1").use

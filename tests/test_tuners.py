@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hopperkern.tune import pick_fastest, rel_err
-from hopperkern.tuning import KernelConfig
+from hopperkern.tuning import KernelConfig, MoeConfig
 
 
 def _cfg(bn):
@@ -519,3 +519,41 @@ def test_rank_fastest_orders_valid_candidates_and_pick_takes_the_first():
     assert [ms for ms, _ in ranked] == [1.0, 1.0, 3.0]
     assert pick_fastest(cands, run, timer, log=lambda m: None, check=check) == ranked[0]
     assert rank_fastest([_cfg(256)], run, timer, log=lambda m: None) == []
+
+
+@pytest.mark.parametrize("mlp_ms", [0.5, 3.0], ids=["fused mlp faster", "fused mlp slower"])
+def test_moe_tuner_weighs_the_fused_mlp_on_direct_plans(mlp_ms, monkeypatch):
+    """A direct-plan bucket (T=1) also times ``MoeConfig.fused_mlp`` candidates end to end (checked against the
+    reference like every candidate) and takes one where it is fastest; a sorted bucket never tries them."""
+    import torch
+
+    import hopperkern.moe as moe_pkg
+    from hopperkern.tune import moe_tuner
+
+    def tiny(block_m, gemm):
+        return [KernelConfig(block_m=block_m, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)]
+
+    g1 = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)
+    g2 = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)
+    mlp = MoeConfig(gemm1=g1, gemm2=g2, fused_mlp=True)
+    seen, real_fused = {}, moe_pkg.fused_moe
+
+    def fused_moe(*args, config=None, **kw):
+        seen["mlp"] = config.fused_mlp
+        return real_fused(*args, config=config, **kw)
+
+    def timer(fn):
+        seen["mlp"] = None
+        fn()
+        return {None: 1.0, False: 2.0, True: mlp_ms}[seen["mlp"]]
+
+    monkeypatch.setattr(moe_tuner, "candidates", tiny)
+    monkeypatch.setattr(moe_tuner, "fused_candidates", lambda bm: [])
+    monkeypatch.setattr(moe_tuner, "fused_mlp_candidates", lambda slots, I: [mlp])
+    monkeypatch.setattr(moe_pkg, "fused_moe", fused_moe)
+    logs = []
+    found = moe_tuner.tune_moe([(4, 64, 32, 2)], (1, 8), torch.float32, log=logs.append, device="cpu", time_fn=timer)
+    entries = found["E4_H64_I32_float32"]
+    assert entries["1"].fused_mlp is (mlp_ms < 2.0), logs
+    assert not entries["8"].fused_mlp
+    assert any(m.strip().startswith("fused mlp") and "us" in m for m in logs), logs

@@ -277,6 +277,95 @@ def _down_direct_kernel(
         tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=(rows[:, None] == 0) & (cols[None, :] < H))
 
 
+@triton.jit(do_not_specialize=["E", "num_slots", "top_k"])
+def _gate_up_down_kernel(
+    x_ptr,            # [T, H] hidden (any strides)
+    w13_ptr,          # [E, 2*I, H] w13: rows 0..I-1 gate, I..2I-1 up
+    w2_ptr,           # [E, H, I] w2
+    part_ptr,         # [num_slots * cdiv(I, BLOCK_I), H] fp32 out: one partial row per (slot, slice of I)
+    tw_ptr,           # [T, top_k] routing weights, any float dtype and strides
+    ids_ptr,          # [num_slots] flattened topk_ids (int32/int64)
+    E, H, I, num_slots, top_k,
+    stride_xt, stride_xh, stride_w1e, stride_w1n, stride_w1h, stride_w2e, stride_w2h, stride_w2i,
+    stride_twt, stride_twk, stride_p,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    STAGES_1: tl.constexpr, STAGES_2: tl.constexpr, ACT: tl.constexpr, W1_TMA: tl.constexpr,
+    W2_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
+):
+    """Both GEMMs of a DIRECT plan in one kernel, split over the intermediate size: program ``p`` = (slot s,
+    slice i of BLOCK_I columns of I) computes ``y = act(x[tok] . w13[e, gate slice]) * (x[tok] . w13[e, up
+    slice])`` (fp32 sums over H, rounded once to hidden's dtype, as the two-kernel path stores it), then
+    ``part[p] = weight(s) * (y . w2[e, :, slice])`` over all of H in BLOCK_H chunks, in fp32.
+    :func:`_partial_topk_sum_kernel` adds each token's k * cdiv(I, BLOCK_I) partial rows in a fixed order.
+
+    Every routed expert's gate/up and down weights stream through one kernel, each weight element once, with
+    no intermediate rows in memory between two launches. Row 0 of the [BLOCK_M, *] tiles is the slot's token,
+    the other rows are zeros (the dots' minimum M). A slot whose id is outside [0, E) (-1: dropped) runs no
+    step and writes no partial row; the sum skips its rows."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)  # before the descriptors: their scratch may be memory the previous kernel used
+    w1_src = tile_source_halves(w13_ptr, E, I, H, stride_w1e, stride_w1n, BLOCK_I, BLOCK_K, W1_TMA)
+    w2_src = tile_source_3d(w2_ptr, E, H, I, stride_w2e, stride_w2h, BLOCK_H, BLOCK_I, W2_TMA)
+    num_i = tl.cdiv(I, BLOCK_I)
+    pid = tl.program_id(0)
+    slot = pid // num_i
+    i0 = (pid - slot * num_i) * BLOCK_I
+    tok = slot // top_k
+    e = tl.load(ids_ptr + slot)
+    ok = (e >= 0) & (e < E)  # in the ids' dtype: narrowing an int64 id first could make it look valid
+    e = tl.where(ok, e, 0).to(tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    live = (rows == 0) & ok
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_I), dtype=tl.float32)
+    for kk in tl.range(0, tl.where(ok, tl.cdiv(H, BLOCK_K), 0), num_stages=STAGES_1):
+        k0 = kk * BLOCK_K
+        x = load_rows(x_ptr, rows * 0 + tok, live, k0, H, stride_xt, stride_xh, BLOCK_K, False)
+        w = load_halves(w1_src, e, i0, k0, I, H, stride_w1e, stride_w1n, stride_w1h, BLOCK_I, BLOCK_K, W1_TMA)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    acc_g, acc_u = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_I).permute(0, 2, 1))
+    # Columns past I read zero weights: act(0) * 0 = 0 there, and their w2 columns read zeros too.
+    y = (_activation(acc_g, ACT) * acc_u).to(x_ptr.dtype.element_ty)
+    wt = tl.load(tw_ptr + tok.to(tl.int64) * stride_twt + (slot - tok * top_k) * stride_twk, mask=ok,
+                 other=0.0).to(tl.float32)
+    dst = part_ptr + pid.to(tl.int64) * stride_p
+    for hh in tl.range(0, tl.where(ok, tl.cdiv(H, BLOCK_H), 0), num_stages=STAGES_2):
+        h0 = hh * BLOCK_H
+        b = load_3d(w2_src, e, h0, i0, H, I, stride_w2e, stride_w2h, stride_w2i, BLOCK_H, BLOCK_I, W2_TMA)
+        z = tl.dot(y, tl.trans(b), input_precision=DOT_PRECISION) * wt
+        cols = h0 + tl.arange(0, BLOCK_H)
+        tl.store(dst + rows[:, None] * 0 + cols[None, :], z, mask=(rows[:, None] == 0) & (cols[None, :] < H))
+
+
+@triton.jit(do_not_specialize=["E"])
+def _partial_topk_sum_kernel(
+    part_ptr,         # [T * top_k * num_i, H] fp32 partial rows of _gate_up_down_kernel (token-major)
+    ids_ptr,          # [T * top_k] int32/int64 flattened topk_ids
+    out_ptr,          # [T, H] out
+    E, H, stride_p, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, NUM_I: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
+):
+    """out[t] = the sum of token t's TOP_K * NUM_I partial rows in fp32, in a fixed order (CHUNKS blocks of ROWS
+    rows, each summed by one fixed reduction tree, then the blocks in order), rounded once. Rows of slots whose
+    id is -1 (dropped) are never read; a token with an id outside [-1, E) gets NaN. Grid (T, cdiv(H, BLOCK_H))."""
+    chain_start(PDL_WAIT, PDL_TRIGGER)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    bad = 0
+    for c in tl.static_range(CHUNKS):
+        r = c * ROWS + tl.arange(0, ROWS)
+        in_range = r < TOP_K * NUM_I
+        e = tl.load(ids_ptr + t * TOP_K + r // NUM_I, mask=in_range, other=-1)
+        ok = in_range & (e >= 0) & (e < E)
+        bad += tl.sum((in_range & ((e < -1) | (e >= E))).to(tl.int32))
+        vals = tl.load(part_ptr + (t * (TOP_K * NUM_I) + r)[:, None] * stride_p + cols[None, :],
+                       mask=ok[:, None] & (cols[None, :] < H), other=0.0)
+        acc += tl.sum(vals, axis=0)
+    acc = tl.where(cols < tl.where(bad > 0, H, 0), float("nan"), acc)
+    tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
 @triton.jit
 def _topk_sum_kernel(
     src_ptr,          # [T*top_k, H] per-slot rows (rows of dropped slots are never written)

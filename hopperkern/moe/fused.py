@@ -95,7 +95,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     sum each token's k experts inside the down GEMM: deterministic there whatever ``deterministic`` says. Its
     ``sorted_rows`` (tuned per shape and token count) makes sorted plans copy the token rows into sorted order
     first, so that the gate/up GEMM reads them with TMA (the same products and sums: the same results); the
-    copy shares the per-slot rows' memory, and "moe.gemm1"'s decision then names it ``xs``.
+    copy shares the per-slot rows' memory, and "moe.gemm1"'s decision then names it ``xs``. Its ``fused_mlp``
+    (tuned per shape, direct plans only) runs both GEMMs of a tiny batch in one kernel, one program per (slot,
+    slice of I), and sums each token's partial rows in a fixed order in a second launch: deterministic too, in
+    fp32 throughout (no per-slot rounding); the decisions then name ``w13`` and ``w2`` only.
     When autograd records, the forward always uses a sorted plan (the backward walks expert segments).
 
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte

@@ -18,9 +18,9 @@ import torch
 from .. import tma as _tma
 from .._host import cdiv, next_power_of_2
 from .._validate import check_choice, dot_precision
-from ..tuning import KernelConfig
-from ._gemm_kernels import (ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_kernel,
-                            _gather_rows_kernel, _topk_sum_kernel)
+from ..tuning import KernelConfig, MoeConfig
+from ._gemm_kernels import (ACT_GELU_TANH, ACT_SILU, _down_direct_kernel, _down_kernel, _gate_up_down_kernel,
+                            _gate_up_kernel, _gather_rows_kernel, _partial_topk_sum_kernel, _topk_sum_kernel)
 from ..tma.launcher import Launch, run_steps
 from .align import AlignPlan, flat_ids
 from .configs import atomic_config, chain_decode, num_programs
@@ -290,6 +290,49 @@ def down_direct_step(env: dict, plan: AlignPlan, config: KernelConfig, d):
         TOP_K_P=next_power_of_2(k), Y_TMA=d["inter"], W_TMA=d["w2"], DOT_PRECISION=dot_precision(inter.dtype),
         NUM_PROGRAMS=progs, FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
     ), names
+
+
+def partial_rows(num_slots: int, I: int, block_i: int) -> int:  # noqa: E741
+    """Rows of the fp32 partial sums of :func:`decode_mlp_steps`: one per (slot, slice of ``block_i`` columns
+    of I)."""
+    return num_slots * cdiv(I, block_i)
+
+
+_PARTIAL_SUM_ELEMS = 2048  # elements of one block (rows x columns) of the partial sum: 32 columns of 64 rows
+
+
+def decode_mlp_steps(env: dict, plan: AlignPlan, config: MoeConfig, activation: str, d1, d2) -> list:
+    """The launches of ``MoeConfig.fused_mlp`` on a DIRECT plan as steps over ``env`` (hidden, w13, w2, tw, ids =
+    flat topk_ids, part = fp32 [:func:`partial_rows`, H], out [T, H]): :func:`_gate_up_down_kernel` (both GEMMs,
+    one program per slot and slice of I) and :func:`_partial_topk_sum_kernel` (each token's partial rows added in a
+    fixed order, one rounding). ``d1`` / ``d2``: the TMA decisions of w13 and w2. ``part`` is contiguous (row
+    pitch H); calls after the first may pass it as a flat view."""
+    x, w13, w2, tw, part, out = env["hidden"], env["w13"], env["w2"], env["tw"], env["part"], env["out"]
+    E, two_i, H = w13.shape
+    I, k = two_i // 2, plan.top_k  # noqa: E741
+    g1, g2 = config.gemm1, config.gemm2
+    num_i = cdiv(I, g1.block_n)
+    names = ("hidden", "w13", "w2", "part", "tw", "ids")
+    mlp = Launch(
+        _gate_up_down_kernel, (plan.num_slots * num_i,), *[env[n] for n in names],
+        E, H, I, plan.num_slots, k,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1),
+        w2.stride(2), tw.stride(0), tw.stride(1), H,
+        BLOCK_M=g1.block_m, BLOCK_I=g1.block_n, BLOCK_K=g1.block_k, BLOCK_H=g2.block_n, STAGES_1=g1.num_stages,
+        STAGES_2=g2.num_stages, ACT=ACTIVATIONS[activation], W1_TMA=d1["w13"], W2_TMA=d2["w2"],
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=g1.num_warps, num_stages=g1.num_stages,
+    ), names
+    rows = k * num_i
+    chunk = min(next_power_of_2(rows), 64)
+    bh = max(16, min(next_power_of_2(H), _PARTIAL_SUM_ELEMS // chunk))
+    T = plan.num_slots // max(k, 1)
+    names2 = ("part", "ids", "out")
+    total = Launch(
+        _partial_topk_sum_kernel, (T, cdiv(H, bh)), *[env[n] for n in names2],
+        E, H, H, out.stride(0), out.stride(1),
+        TOP_K=k, NUM_I=num_i, ROWS=chunk, CHUNKS=cdiv(rows, chunk), BLOCK_H=bh, num_warps=4,
+    ), names2
+    return [mlp, total]
 
 
 def topk_sum(slot_rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, out_dtype=None,

@@ -27,8 +27,8 @@ from .align import (AlignPlan, align_steps, direct_plan, empty_plan, flat_ids, m
                     scratch_shapes)
 from .backward import moe_backward
 from .configs import chain_decode, moe_launch_config
-from .gemm import (direct_pointer_reason, down_direct_step, gate_up_step, gather_rows_step, slot_buffer_shape,
-                   slot_steps)
+from .gemm import (decode_mlp_steps, direct_pointer_reason, down_direct_step, gate_up_step, gather_rows_step,
+                   partial_rows, slot_buffer_shape, slot_steps)
 
 __all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "ForwardPlan", "cached_forward", "check_expert_ids", "config_from_list",
            "config_to_list", "moe_backward_op", "moe_forward_impl", "moe_forward_op", "moe_forward_run", "plan_key"]
@@ -57,7 +57,7 @@ def config_to_list(config: MoeConfig | None) -> list[int] | None:
     if config is None:
         return None
     return ([int(getattr(g, f)) for g in (config.gemm1, config.gemm2) for f in _KC_FIELDS]
-            + [int(config.fused_topk), int(config.sorted_rows)])
+            + [int(config.fused_topk), int(config.sorted_rows), int(config.fused_mlp)])
 
 
 def config_from_list(values) -> MoeConfig:
@@ -66,7 +66,7 @@ def config_from_list(values) -> MoeConfig:
     for g in (g1, g2):
         g["flatten"] = bool(g["flatten"])
     return MoeConfig(gemm1=KernelConfig(**g1), gemm2=KernelConfig(**g2), fused_topk=bool(values[2 * n]),
-                     sorted_rows=bool(values[2 * n + 1]))
+                     sorted_rows=bool(values[2 * n + 1]), fused_mlp=bool(values[2 * n + 2]))
 
 
 def _config(hidden, w13, w2, topk_ids, config) -> MoeConfig:
@@ -211,14 +211,26 @@ class ForwardPlan(Plan):
         self.sorted_rows = (not self.direct and cfg.sorted_rows and self.rows > 0
                             and (H * hidden.element_size()) % 16 == 0)
         self.out_shape = (T, H)
-        self.fused_topk = self.direct and cfg.fused_topk
-        self.deterministic = deterministic or self.fused_topk
-        self.buf_shape = None if self.fused_topk else slot_buffer_shape(T, k, H, deterministic)
+        # Both GEMMs in one kernel per (slot, slice of I), the top-k sum over their partial rows (direct plans).
+        self.fused_mlp = self.direct and cfg.fused_mlp
+        self.part_shape = (partial_rows(T * k, I, cfg.gemm1.block_n), H) if self.fused_mlp else None
+        self.fused_topk = self.direct and cfg.fused_topk and not self.fused_mlp
+        self.deterministic = deterministic or self.fused_topk or self.fused_mlp
+        self.buf_shape = None if self.fused_topk or self.fused_mlp else slot_buffer_shape(T, k, H, deterministic)
         self.ids_flat = topk_ids.is_contiguous()
-        per_slot = self.deterministic and not self.fused_topk
+        per_slot = self.deterministic and not (self.fused_topk or self.fused_mlp)
         self._lay_out(hidden.element_size(), per_slot)
         self.all_bound = False
         env = self._env(hidden, w13, w2, topk_weights, topk_ids)
+        if self.fused_mlp:
+            reason = direct_pointer_reason(sample)
+            d1 = decide(tma, dict(w13=(w13, (1, cfg.gemm1.block_n, cfg.gemm1.block_k))), op="moe.gemm1",
+                        record=False, auto_pointer=reason)
+            d2 = decide(tma, dict(w2=(w2, (1, cfg.gemm2.block_n, cfg.gemm1.block_n))), op="moe.gemm2",
+                        record=False, auto_pointer=reason)
+            self.decisions = (d1, d2)
+            self.steps = chain_decode(decode_mlp_steps(env, sample, cfg, activation, d1, d2), T, dev)
+            return
         ops1 = dict(w13=(w13, (1, cfg.gemm1.block_n, cfg.gemm1.block_k)),
                     inter=(env["inter"], (bm, cfg.gemm1.block_n)))
         if save == SAVE_PRE:
@@ -255,7 +267,9 @@ class ForwardPlan(Plan):
         the gate/up GEMM has read them before the down GEMM writes the per-slot rows."""
         xs = self.rows * self.H if self.sorted_rows else 0
         slot_rows = self.buf_shape[0] * self.buf_shape[1] if per_slot else 0
-        sizes = [self.rows * self.I] + ([max(slot_rows, xs)] if per_slot or xs else [])
+        # The fused MLP's fp32 partial rows take the place of the intermediate rows (counted in hidden's elements).
+        first = _numel(self.part_shape) * 4 // elem if self.fused_mlp else self.rows * self.I
+        sizes = [first] + ([max(slot_rows, xs)] if per_slot or xs else [])
         self.scratch_sizes = [round_up(n, _ALIGN_ELEMS) for n in sizes]
         self.scratch_total = sum(self.scratch_sizes)
         self.layout, self.layout_bytes = self._layout(elem, per_slot)
@@ -267,7 +281,10 @@ class ForwardPlan(Plan):
         if self.save != SAVE_NONE:
             return (), 0
         sizes = [(name, _numel(shape) * 4) for name, shape in self.i32.items()]
-        sizes.append(("inter", self.rows * self.I * elem))
+        if self.fused_mlp:
+            sizes.append(("part", _numel(self.part_shape) * 4))
+        else:
+            sizes.append(("inter", self.rows * self.I * elem))
         xs = self.rows * self.H * elem if self.sorted_rows else 0
         if per_slot:
             sizes.append(("buf", max(_numel(self.buf_shape) * elem, xs)))
@@ -277,7 +294,8 @@ class ForwardPlan(Plan):
         for name, nbytes in sizes:
             layout.append((name, offset))
             offset += round_up(max(nbytes, 1), PIECE_ALIGN)
-        aliases = (("pre_gate", "inter"), ("pre_up", "inter")) + (() if self.direct else (("slots", "sorted_slots"),))
+        aliases = (() if self.fused_mlp else (("pre_gate", "inter"), ("pre_up", "inter"))) + (
+            () if self.direct else (("slots", "sorted_slots"),))
         if self.sorted_rows and per_slot:
             aliases += (("xs", "buf"),)
         for alias, name in aliases:
@@ -298,7 +316,7 @@ class ForwardPlan(Plan):
         base = scratch.data_ptr()
         for name, offset in self.layout:
             env[name] = base + offset
-        if self.fused_topk or self.deterministic:
+        if self.fused_topk or self.fused_mlp or self.deterministic:
             env["out"] = out = torch.empty(self.out_shape, dtype=hidden.dtype, device=dev)
         else:
             env["buf"] = env["out"] = out = torch.empty(self.buf_shape, dtype=torch.float32, device=dev)
@@ -325,6 +343,11 @@ class ForwardPlan(Plan):
         if not self.direct:
             env["slots"] = env["sorted_slots"]
         out = torch.empty(self.out_shape, dtype=dt, device=dev)
+        if self.fused_mlp:
+            env["out"] = out
+            env["part"] = (torch.empty(self.scratch_total, dtype=dt, device=dev).view(torch.float32) if not shaped
+                           else torch.empty(self.part_shape, dtype=torch.float32, device=dev))
+            return env
         per_slot = self.deterministic and not self.fused_topk
         if self.save == SAVE_NONE and not shaped:
             # inter and the per-slot rows: one allocation.

@@ -27,8 +27,8 @@ from ..tuning import KernelConfig, MoeConfig, moe_key
 from .shapes import MOE_SHAPES
 from .timing import graph_ms, pick_fastest, rank_fastest, rel_err
 
-__all__ = ["BUCKETS", "CHECK_ROWS", "GRAPH_MAX_T", "block_m_choices", "candidates", "fused_candidates", "in_use",
-           "tune_moe", "tune_moe_default"]
+__all__ = ["BUCKETS", "CHECK_ROWS", "GRAPH_MAX_T", "block_m_choices", "candidates", "fused_candidates",
+           "fused_mlp_candidates", "in_use", "tune_moe", "tune_moe_default"]
 
 BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 GRAPH_MAX_T = 1024
@@ -66,6 +66,11 @@ _DECODE = {
     2: [(256, 128, 3, True), (128, 128, 6, True), (128, 256, 3, True), (64, 256, 5, True), (32, 128, 8, True)],
 }
 _DECODE_FUSED = [(128, 256, 3, False), (64, 256, 5, True), (32, 256, 8, True)]
+# Both GEMMs in one kernel (MoeConfig.fused_mlp, direct plans) as (slice of I, gate/up step over H, down chunk of H,
+# gate/up stages, down stages, warps): one program per (slot, slice), so the slice sets how many programs stream.
+_FUSED_MLP = [(16, 256, 128, 4, 4, 4), (16, 128, 256, 6, 3, 4), (32, 128, 128, 6, 4, 4), (32, 256, 128, 4, 4, 4),
+              (64, 128, 64, 4, 4, 4), (64, 128, 128, 4, 3, 8), (128, 128, 64, 3, 3, 8)]
+FUSED_MLP_MIN_PROGRAMS = 64  # fewer (slot, slice) programs than this cannot stream the weights at full rate
 
 
 def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
@@ -102,6 +107,18 @@ def fused_candidates(block_m: int) -> list[KernelConfig]:
     """Down-GEMM configs for the fused top-k kernel of direct plans: it has k times fewer programs than the
     slot-parallel kernel, so each needs a deep pipeline to keep enough bytes in flight."""
     return [c for c in (_deepest(block_m, bn, bk, s, 2, f) for bn, bk, s, f in _DECODE_FUSED) if c is not None]
+
+
+def fused_mlp_candidates(num_slots: int, I: int) -> list[MoeConfig]:  # noqa: E741
+    """:data:`_FUSED_MLP` configs (``MoeConfig.fused_mlp``) for a direct plan of ``num_slots`` slots: those whose
+    slices of I give at least :data:`FUSED_MLP_MIN_PROGRAMS` programs, else the one with the most programs."""
+    out = []
+    for bi, bk, bh, s1, s2, w in _FUSED_MLP:
+        g1 = _k(16, bi, bk, w, s1, 1)
+        g2 = _k(16, bh, bi, w, s2, 1)
+        out.append((num_slots * -(-I // bi), MoeConfig(gemm1=g1, gemm2=g2, fused_mlp=True)))
+    enough = [mc for n, mc in out if n >= FUSED_MLP_MIN_PROGRAMS]
+    return enough or [max(out, key=lambda x: x[0])[1]]
 
 
 def block_m_choices(T: int, top_k: int, E: int) -> list[int]:
@@ -243,6 +260,15 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                     finalists.append((g1[0] + g2[0], MoeConfig(gemm1=g1[1], gemm2=g2[1], fused_topk=fused)))
                     if not plan.direct and T >= SORTED_ROWS_MIN_T:  # the same tiles, the gate/up GEMM on a sorted copy
                         finalists.append((g1[0] + g2[0], MoeConfig(gemm1=g1[1], gemm2=g2[1], sorted_rows=True)))
+                if plan.direct and bm == 16:  # both GEMMs in one kernel: timed whole, as fused_moe runs it
+                    mlp = pick_fastest(fused_mlp_candidates(T * top_k, I),
+                                       lambda mc: moe.fused_moe(x, w13, w2, weights, ids, config=mc), timer, log=log,
+                                       what="fused mlp", check=lambda mc: err(moe.fused_moe(x, w13, w2, weights, ids,
+                                                                                            config=mc)),
+                                       settle_s=settle)
+                    if mlp is not None:
+                        log(f"  {key} T={T} fused mlp {mlp[0] * 1e3:.1f} us {mlp[1].model_dump()}")
+                        finalists.append(mlp)
                 del inter, plan
             best = _final_pick(finalists, in_use(E, H, I, dtype, T, top_k, x.device),
                                lambda mc: moe.fused_moe(x, w13, w2, weights, ids, config=mc), err, timer, settle, log)
