@@ -315,7 +315,9 @@ def _gate_up_down_kernel(
     ok = (e >= 0) & (e < E)  # in the ids' dtype: narrowing an int64 id first could make it look valid
     e = tl.where(ok, e, 0).to(tl.int32)
     rows = tl.arange(0, BLOCK_M)
-    live = (rows == 0) & ok
+    # Row 0 when the id is valid. (Not `(rows == 0) & ok`: triton >= 3.9's interpreter widens the scalar `ok` to
+    # int32 there and rejects the mask.)
+    live = rows < tl.where(ok, 1, 0)
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_I), dtype=tl.float32)
     for kk in tl.range(0, tl.where(ok, tl.cdiv(H, BLOCK_K), 0), num_stages=STAGES_1):
         k0 = kk * BLOCK_K
