@@ -264,6 +264,7 @@ def test_moe_tuner_skips_down_configs_whose_atomic_variant_fails(monkeypatch):
 
     monkeypatch.setattr(moe_tuner, "candidates", tiny)
     monkeypatch.setattr(moe_tuner, "fused_candidates", lambda bm: [])  # the direct bucket takes the slot kernel
+    monkeypatch.setattr(moe_tuner, "fused_mlp_candidates", lambda slots, I: [])
     monkeypatch.setattr(moe_pkg, "down", down)
     logs = []
     found = moe_tuner.tune_moe([(4, 64, 32, 2)], (1, 8), torch.float32, log=logs.append, device="cpu",
@@ -316,215 +317,12 @@ def test_moe_tuner_times_the_runner_up_down_config_end_to_end(monkeypatch):
     assert not any("'block_n': 64" in m for m in logs if m.lstrip().startswith("fused_moe")), logs
 
 
-@pytest.mark.parametrize("min_t", [8, None], ids=["sorted rows tried", "below SORTED_ROWS_MIN_T"])
-def test_moe_tuner_weighs_sorted_rows_end_to_end(min_t, monkeypatch):
-    """From SORTED_ROWS_MIN_T tokens each sorted-plan finalist also runs end to end with sorted_rows (and wins
-    here, timed faster); below it no sorted-rows config is timed at all."""
-    import torch
-
-    import hopperkern.moe as moe_pkg
-    from hopperkern.tune import moe_tuner
-
-    def tiny(block_m, gemm):
-        return [KernelConfig(block_m=block_m, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)]
-
-    seen, real_fused = {}, moe_pkg.fused_moe
-
-    def fused_moe(*args, config=None, **kw):
-        seen["sorted"] = config.sorted_rows
-        return real_fused(*args, config=config, **kw)
-
-    def timer(fn):
-        seen["sorted"] = None
-        fn()
-        return {None: 1.0, False: 2.0, True: 1.5}[seen["sorted"]]
-
-    monkeypatch.setattr(moe_tuner, "candidates", tiny)
-    monkeypatch.setattr(moe_pkg, "fused_moe", fused_moe)
-    if min_t is not None:
-        monkeypatch.setattr(moe_tuner, "SORTED_ROWS_MIN_T", min_t)
-    logs = []
-    found = moe_tuner.tune_moe([(4, 64, 32, 2)], (8,), torch.float32, log=logs.append, device="cpu", time_fn=timer)
-    tried = any("'sorted_rows': True" in m for m in logs if m.lstrip().startswith("fused_moe"))
-    assert found["E4_H64_I32_float32"]["8"].sorted_rows is tried is (min_t is not None), logs
-
-
-def test_moe_final_pick_keeps_the_config_in_use_unless_beaten():
-    """The per-block_m winners run end to end beside the config in use: the fastest of them wins (the one in use
-    too), a wrong one never does, and a lone finalist is taken without timing."""
-    from hopperkern.tune.moe_tuner import _final_pick
-    from hopperkern.tuning import MoeConfig
-
-    def mc(bm, bn):
-        k = KernelConfig(block_m=bm, block_n=bn, block_k=32, group_m=1, num_warps=4, num_stages=2)
-        return MoeConfig(gemm1=k, gemm2=k)
-
-    a, b, current = mc(16, 32), mc(32, 32), mc(16, 64)
-    last = {}
-
-    def run(cfg):
-        last["cfg"] = cfg
-
-    def timer_for(speeds):
-        def timer(fn):
-            fn()
-            return speeds[last["cfg"]]
-        return timer
-
-    def err(out):
-        return 0.0
-
-    finalists = [(1.0, a), (1.1, b)]
-    quiet = lambda m: None  # noqa: E731
-    assert _final_pick(finalists, current, run, lambda o: 0.0, timer_for({a: 1.0, b: 1.1, current: 0.9}), 0.0,
-                       quiet) == (0.9, current)
-    assert _final_pick(finalists, current, run, lambda o: 0.0, timer_for({a: 1.0, b: 0.8, current: 0.9}), 0.0,
-                       quiet) == (0.8, b)
-    assert _final_pick(finalists, a, run, lambda o: 0.0, timer_for({a: 1.0, b: 0.8}), 0.0, quiet) == (0.8, b)
-    wrong = {"cfg": b}
-
-    def run_checked(cfg):
-        last["cfg"] = cfg
-        return cfg
-
-    got = _final_pick(finalists, None, run_checked, lambda out: 1.0 if out == wrong["cfg"] else 0.0,
-                      timer_for({a: 1.0, b: 0.8}), 0.0, quiet)
-    assert got == (1.0, a)
-    assert _final_pick([(2.0, a)], None, run, err, timer_for({}), 0.0, quiet) == (2.0, a)
-    assert _final_pick([(2.0, a)], a, run, err, timer_for({}), 0.0, quiet) == (2.0, a)
-    assert _final_pick([], None, run, err, timer_for({}), 0.0, quiet) is None
-    assert _final_pick([], current, run, err, timer_for({current: 1.0}), 0.0, quiet) is None  # nothing new passed
-
-
-def test_in_use_is_none_under_the_interpreter():
-    """Both tuners time the config in use beside their candidates on a GPU; under the interpreter there is none."""
-    import torch
-
-    from hopperkern.tune import lce_tuner, moe_tuner
-
-    assert moe_tuner.in_use(4, 64, 32, torch.float32, 8, 2, torch.device("cpu")) is None
-    assert lce_tuner.in_use("forward", torch.float32, 40, 64, torch.device("cpu")) is None
-
-
-def test_merge_into_file_keeps_other_entries(tmp_path, monkeypatch):
-    """The one writer of tuning files: new buckets merge into the existing file, every other entry and section
-    is kept, the device and Triton version are stamped, and the file is written in canonical order and loads
-    through the lookup by device name."""
-    import triton
-
-    from hopperkern import tuning
-    from hopperkern.tune import merge_into_file
-    from hopperkern.tuning import MoeConfig
-
-    monkeypatch.setenv("HOPPERKERN_CONFIG", str(tmp_path))
-    path = tmp_path / "Test_GPU.json"
-    k = KernelConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=3)
-    merge_into_file(path, lce={"forward:bfloat16:H64": {"2048": k}}, device_name="Test GPU")
-    merge_into_file(path, moe={"E4_H64_I32_bfloat16": {"1": MoeConfig(gemm1=k, gemm2=k, fused_topk=True)}},
-                    tuner="python -m hopperkern.tune --only moe", device_name="Test GPU")
-    merge_into_file(path, lce={"forward:bfloat16:H64": {"16384": k}}, device_name="Test GPU")
-    cfg = tuning.load_config("Test GPU")
-    assert cfg.origin == str(path) and (cfg.device_name, cfg.triton_version) == ("Test GPU", triton.__version__)
-    assert list(cfg.lce["forward:bfloat16:H64"]) == ["2048", "16384"]
-    assert cfg.moe["E4_H64_I32_bfloat16"]["1"].fused_topk
-    # Every command that wrote entries, in order.
-    assert cfg.tuner == ("python -m hopperkern.tune; python -m hopperkern.tune --only moe; python -m hopperkern.tune")
-    assert path.read_text() == cfg.canonical_json()
-    merge_into_file(path, lce={"forward:bfloat16:H64": {"2048": k}}, device_name="Test GPU")
-    assert tuning.load_config(path).tuner == cfg.tuner  # the last command is not repeated
-
-
-def test_recorded_command_leaves_out_the_output_folder():
-    from hopperkern.tune import cli
-
-    assert cli.recorded_command(["--only", "moe", "--out", "/some/folder", "--budget-s", "60"]) == (
-        "python -m hopperkern.tune --only moe --budget-s 60")
-    assert cli.recorded_command(["--out=/x", "--only", "lce"]) == "python -m hopperkern.tune --only lce"
-    assert cli.recorded_command([]) == "python -m hopperkern.tune"
-    # An older record's folder goes when the file is merged into; the command line takes no abbreviated --out.
-    before = "python -m hopperkern.tune --out /some/folder --only lce"
-    assert cli._tuner_history(before, "python -m hopperkern.tune") == (
-        "python -m hopperkern.tune --only lce; python -m hopperkern.tune")
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["--ou", "/some/folder"])
-    assert exc.value.code == 2
-
-
-def test_command_line_help_and_no_gpu(capsys):
-    """`python -m hopperkern.tune` is the installed command: --help works anywhere, and without a GPU it says
-    why it cannot tune (exit code 1) instead of failing inside a kernel."""
-    import subprocess
-    import sys
-
-    import torch
-
-    from hopperkern import tune
-
-    with pytest.raises(SystemExit) as exc:
-        tune.main(["--help"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: python -m hopperkern.tune") and "--moe-shapes" in out and "NVIDIA_H200.json" in out
-    with pytest.raises(SystemExit) as exc:
-        tune.main(["--moe-tokens", "0"])
-    assert exc.value.code == 2
-    assert "argument --moe-tokens: a token count must be a positive integer, got '0'" in capsys.readouterr().err
-    if not torch.cuda.is_available():
-        assert tune.main([]) == 1
-        err = capsys.readouterr().err
-        assert err.startswith("python -m hopperkern.tune: needs a CUDA GPU to time kernels on (")
-        assert err.rstrip().endswith("see: python -m hopperkern.info")
-    run = subprocess.run([sys.executable, "-m", "hopperkern.tune", "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0 and run.stdout.startswith("usage: python -m hopperkern.tune"), run.stderr
-
-
-def test_importing_the_tuner_touches_no_gpu():
-    """Importing hopperkern.tune initialises no CUDA context, imports neither Triton nor a kernel module, and so
-    compiles nothing."""
-    import subprocess
-    import sys
-
-    code = ("import sys, torch, hopperkern.tune, hopperkern.tune.lce_tuner, hopperkern.tune.moe_tuner; "
-            "print(torch.cuda.is_initialized(), 'triton' in sys.modules, "
-            "any(m.startswith(('hopperkern.lce', 'hopperkern.moe')) for m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "False", "False"]
-
-
-def test_rank_fastest_orders_valid_candidates_and_pick_takes_the_first():
-    """rank_fastest: every candidate that runs and checks out, fastest first (ties in the given order); failing and
-    wrong ones are left out; pick_fastest is its first entry."""
-    from hopperkern.tune import rank_fastest
-
-    speed = {16: 3.0, 32: 1.0, 64: 2.0, 128: 1.0, 256: 0.5}
-    current = {}
-
-    def run(cfg):
-        current["cfg"] = cfg
-        if cfg.block_n == 256:
-            raise RuntimeError("out of resource: shared memory")
-
-    def timer(fn):
-        fn()
-        return speed[current["cfg"].block_n]
-
-    def check(cfg):
-        return 1.0 if cfg.block_n == 64 else 0.0  # 64 computes the wrong thing
-
-    cands = [_cfg(b) for b in (16, 32, 64, 128, 256)]
-    ranked = rank_fastest(cands, run, timer, log=lambda m: None, check=check)
-    assert [cfg.block_n for _, cfg in ranked] == [32, 128, 16]
-    assert [ms for ms, _ in ranked] == [1.0, 1.0, 3.0]
-    assert pick_fastest(cands, run, timer, log=lambda m: None, check=check) == ranked[0]
-    assert rank_fastest([_cfg(256)], run, timer, log=lambda m: None) == []
-
-
-@pytest.mark.parametrize("mlp_ms", [0.5, 3.0], ids=["fused mlp faster", "fused mlp slower"])
-def test_moe_tuner_weighs_the_fused_mlp_on_direct_plans(mlp_ms, monkeypatch):
-    """A direct-plan bucket (T=1) also times ``MoeConfig.fused_mlp`` candidates end to end (checked against the
-    reference like every candidate) and takes one where it is fastest; a sorted bucket never tries them."""
+@pytest.mark.parametrize("faster", [True, False], ids=["new forms faster", "slower, or below SORTED_ROWS_MIN_T"])
+def test_moe_tuner_weighs_fused_mlp_and_sorted_rows_end_to_end(faster, monkeypatch):
+    """A direct-plan bucket (1 token) also times ``MoeConfig.fused_mlp`` candidates end to end (checked against the
+    reference like every candidate) and takes one where it is fastest. From SORTED_ROWS_MIN_T tokens each
+    sorted-plan finalist also runs with sorted_rows (and wins here, timed faster); below it no sorted-rows config is
+    timed at all. A sorted bucket never tries fused_mlp."""
     import torch
 
     import hopperkern.moe as moe_pkg
@@ -535,25 +333,29 @@ def test_moe_tuner_weighs_the_fused_mlp_on_direct_plans(mlp_ms, monkeypatch):
 
     g1 = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=1)
     g2 = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=1)
-    mlp = MoeConfig(gemm1=g1, gemm2=g2, fused_mlp=True)
     seen, real_fused = {}, moe_pkg.fused_moe
 
     def fused_moe(*args, config=None, **kw):
-        seen["mlp"] = config.fused_mlp
+        seen["form"] = "mlp" if config.fused_mlp else "sorted" if config.sorted_rows else "plain"
         return real_fused(*args, config=config, **kw)
 
     def timer(fn):
-        seen["mlp"] = None
+        seen["form"] = None  # a GEMM timed alone
         fn()
-        return {None: 1.0, False: 2.0, True: mlp_ms}[seen["mlp"]]
+        new = 0.5 if faster else 3.0
+        return {None: 1.0, "plain": 2.0, "mlp": new, "sorted": new}[seen["form"]]
 
     monkeypatch.setattr(moe_tuner, "candidates", tiny)
     monkeypatch.setattr(moe_tuner, "fused_candidates", lambda bm: [])
-    monkeypatch.setattr(moe_tuner, "fused_mlp_candidates", lambda slots, I: [mlp])
+    monkeypatch.setattr(moe_tuner, "fused_mlp_candidates",
+                        lambda slots, I: [MoeConfig(gemm1=g1, gemm2=g2, fused_mlp=True)])
     monkeypatch.setattr(moe_pkg, "fused_moe", fused_moe)
+    if faster:
+        monkeypatch.setattr(moe_tuner, "SORTED_ROWS_MIN_T", 8)
     logs = []
     found = moe_tuner.tune_moe([(4, 64, 32, 2)], (1, 8), torch.float32, log=logs.append, device="cpu", time_fn=timer)
     entries = found["E4_H64_I32_float32"]
-    assert entries["1"].fused_mlp is (mlp_ms < 2.0), logs
-    assert not entries["8"].fused_mlp
+    assert entries["1"].fused_mlp is faster and not entries["1"].sorted_rows, logs
     assert any(m.strip().startswith("fused mlp") and "us" in m for m in logs), logs
+    tried = any("'sorted_rows': True" in m for m in logs if m.lstrip().startswith("fused_moe"))
+    assert entries["8"].sorted_rows is tried is faster and not entries["8"].fused_mlp, logs

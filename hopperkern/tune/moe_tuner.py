@@ -177,7 +177,7 @@ def in_use(E: int, H: int, I: int, dtype, T: int, top_k: int, device) -> MoeConf
     return None if source == "interpreter" else cfg
 
 
-def _final_pick(finalists, current, run, err, timer, settle: float, log):
+def _final_pick(finalists, current, run, err, timer, settle: float, log, rounds: int = 3):
     """(ms, MoeConfig) among the per-block_m finalists and the config in use (``current``), timed end to end
     (``run(config)`` = fused_moe with it) in interleaved rounds; a lone finalist is taken as it is (with its
     GEMMs' time). None without finalists (every candidate failed: the bucket keeps what it has)."""
@@ -188,7 +188,7 @@ def _final_pick(finalists, current, run, err, timer, settle: float, log):
         cands.append(current)
     if len(cands) == 1:
         return finalists[0]
-    return pick_fastest(cands, run, timer, log=log, what="fused_moe", settle_s=settle,
+    return pick_fastest(cands, run, timer, log=log, what="fused_moe", settle_s=settle, rounds=rounds,
                         check=lambda mc: err(run(mc)))
 
 
@@ -218,6 +218,7 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
             ref = reference.fused_moe(x[sel], w13, w2, weights[sel], ids[sel], compute_dtype=torch.float32)
             timer = time_fn or _timer(T <= GRAPH_MAX_T)
             settle = 0.0 if time_fn else SETTLE_S[T <= GRAPH_MAX_T]
+            rounds = 1 if time_fn else 3  # a given time_fn (the CPU tests') is deterministic: one round is enough
 
             def err(out):
                 return rel_err(out[sel], ref)
@@ -228,7 +229,7 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                 plan = make_plan(ids, E, bm)
                 probe2 = candidates(bm, 2)[0]  # finishes each gate/up candidate's output for the check
                 g1 = pick_fastest(candidates(bm, 1), lambda cf: moe.gate_up(x, w13, plan, config=cf), timer,
-                                  log=log, what="gemm1", settle_s=settle, check=lambda cf: err(moe.down(
+                                  rounds=rounds, log=log, what="gemm1", settle_s=settle, check=lambda cf: err(moe.down(
                                       moe.gate_up(x, w13, plan, config=cf), w2, weights, ids, plan, config=probe2)))
                 if g1 is None:
                     continue
@@ -246,11 +247,12 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
 
                 # The two fastest down configs go on to the end-to-end pick: timed apart (after an L2 flush or
                 # alone), their order can differ from the one they take behind the gate/up GEMM.
-                downs = [(g2, False) for g2 in rank_fastest(candidates(bm, 2), run2, timer, log=log, what="gemm2",
-                                                            check=check2, settle_s=settle)[:FINALIST_DOWNS]]
+                downs = [(g2, False) for g2 in rank_fastest(candidates(bm, 2), run2, timer, rounds=rounds, log=log,
+                                                            what="gemm2", check=check2,
+                                                            settle_s=settle)[:FINALIST_DOWNS]]
                 if plan.direct:  # the top-k sum inside the down GEMM: k times fewer, longer programs
                     downs.append((pick_fastest(fused_candidates(bm), lambda cf: run2(cf, True), timer, log=log,
-                                               what="gemm2 fused", check=lambda cf: err(run2(cf, True)),
+                                               rounds=rounds, what="gemm2 fused", check=lambda cf: err(run2(cf, True)),
                                                settle_s=settle), True))
                 for g2, fused in downs:
                     if g2 is None:
@@ -265,13 +267,14 @@ def tune_moe(shapes, token_counts=BUCKETS, dtype=torch.bfloat16, time_budget_s: 
                                        lambda mc: moe.fused_moe(x, w13, w2, weights, ids, config=mc), timer, log=log,
                                        what="fused mlp", check=lambda mc: err(moe.fused_moe(x, w13, w2, weights, ids,
                                                                                             config=mc)),
-                                       settle_s=settle)
+                                       settle_s=settle, rounds=rounds)
                     if mlp is not None:
                         log(f"  {key} T={T} fused mlp {mlp[0] * 1e3:.1f} us {mlp[1].model_dump()}")
                         finalists.append(mlp)
                 del inter, plan
             best = _final_pick(finalists, in_use(E, H, I, dtype, T, top_k, x.device),
-                               lambda mc: moe.fused_moe(x, w13, w2, weights, ids, config=mc), err, timer, settle, log)
+                               lambda mc: moe.fused_moe(x, w13, w2, weights, ids, config=mc), err, timer, settle, log,
+                               rounds)
             if best is not None:
                 result.setdefault(key, {})[str(T)] = best[1]
                 log(f"tune_moe: {key} T={T}: {best[0] * 1e3:.1f} us {best[1].model_dump()} "
