@@ -501,12 +501,12 @@ def test_direct_plan_down_fuses_topk_sum(k, mode, device):
     torch.testing.assert_close(out.float(), outs[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode, deterministic", [("always", True), ("always", False), ("never", True)])
+@pytest.mark.parametrize("mode, deterministic", [("always", True), ("always", False)])
 def test_sorted_rows_gate_up(mode, deterministic, device):
     """``MoeConfig.sorted_rows``: one launch copies the token rows into the plan's sorted order and the gate/up
     GEMM reads the copy with 2-D TMA. Same results as the gathering GEMM (the same products, summed in the same
     order), on calls through a fresh and a cached plan (the copy then shares the per-slot rows' scratch), with
-    grads; with tma='never' the GEMM gathers the rows itself and the decision names no copy."""
+    grads. (With tma='never' the GEMM gathers the rows itself: test_sorted_rows_needs_a_16_byte_row_pitch.)"""
     g = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
     plain, sorted_ = MoeConfig(gemm1=g, gemm2=g), MoeConfig(gemm1=g, gemm2=g, sorted_rows=True)
     args = make_inputs(24, 6, 64, 48, 3, torch.float16, device, seed=13)
@@ -536,12 +536,20 @@ def test_sorted_rows_gate_up(mode, deterministic, device):
 
 def test_sorted_rows_needs_a_16_byte_row_pitch(device):
     """H = 44 in fp16 (88-byte rows): no TMA copy is possible, so the GEMM gathers the rows even where the config
-    asks for sorted rows, and tma='always' names the operands that cannot take TMA, not the copy."""
+    asks for sorted rows, and tma='always' names the operands that cannot take TMA, not the copy. With
+    tma='never' (a 16-byte pitch, H = 64) the copy is refused too: the rows are gathered, bitwise as without
+    sorted rows, on a fresh and a cached plan."""
     g = KernelConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
     args = make_inputs(9, 4, 44, 20, 2, torch.float16, device, seed=14)
     out = moe.fused_moe(*args, tma="auto", config=MoeConfig(gemm1=g, gemm2=g, sorted_rows=True))
     check_against_reference(out, args)
     assert "xs" not in tma.last_decision("moe.gemm1").use
+    args = make_inputs(9, 4, 64, 20, 2, torch.float16, device, seed=15)
+    want = moe.fused_moe(*args, tma="never", config=MoeConfig(gemm1=g, gemm2=g))
+    for _ in range(2):
+        got = moe.fused_moe(*args, tma="never", config=MoeConfig(gemm1=g, gemm2=g, sorted_rows=True))
+        assert dict(tma.last_decision("moe.gemm1").use) == {"w13": False, "inter": False}
+        assert torch.equal(got, want)
 
 
 def _fused_mlp_config(block_i=16, block_k=32, block_h=32):

@@ -293,7 +293,7 @@ def down_direct_step(env: dict, plan: AlignPlan, config: KernelConfig, d):
 
 
 def partial_rows(num_slots: int, I: int, block_i: int) -> int:  # noqa: E741
-    """Rows of the fp32 partial sums of :func:`decode_mlp_steps`: one per (slot, slice of ``block_i`` columns
+    """Rows of the fp32 partial sums of :func:`fused_mlp_steps`: one per (slot, slice of ``block_i`` columns
     of I)."""
     return num_slots * cdiv(I, block_i)
 
@@ -301,7 +301,7 @@ def partial_rows(num_slots: int, I: int, block_i: int) -> int:  # noqa: E741
 _PARTIAL_SUM_ELEMS = 2048  # elements of one block (rows x columns) of the partial sum: 32 columns of 64 rows
 
 
-def decode_mlp_steps(env: dict, plan: AlignPlan, config: MoeConfig, activation: str, d1, d2) -> list:
+def fused_mlp_steps(env: dict, plan: AlignPlan, config: MoeConfig, activation: str, d1, d2) -> list:
     """The launches of ``MoeConfig.fused_mlp`` on a DIRECT plan as steps over ``env`` (hidden, w13, w2, tw, ids =
     flat topk_ids, part = fp32 [:func:`partial_rows`, H], out [T, H]): :func:`_gate_up_down_kernel` (both GEMMs,
     one program per slot and slice of I) and :func:`_partial_topk_sum_kernel` (each token's partial rows added in a

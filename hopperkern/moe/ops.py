@@ -27,7 +27,7 @@ from .align import (AlignPlan, align_steps, direct_plan, empty_plan, flat_ids, m
                     scratch_shapes)
 from .backward import moe_backward
 from .configs import chain_decode, moe_launch_config
-from .gemm import (decode_mlp_steps, direct_pointer_reason, down_direct_step, gate_up_step, gather_rows_step,
+from .gemm import (direct_pointer_reason, down_direct_step, fused_mlp_steps, gate_up_step, gather_rows_step,
                    partial_rows, slot_buffer_shape, slot_steps)
 
 __all__ = ["SAVE_NONE", "SAVE_PRE", "SAVE_PLAN", "ForwardPlan", "cached_forward", "check_expert_ids", "config_from_list",
@@ -229,7 +229,7 @@ class ForwardPlan(Plan):
             d2 = decide(tma, dict(w2=(w2, (1, cfg.gemm2.block_n, cfg.gemm1.block_n))), op="moe.gemm2",
                         record=False, auto_pointer=reason)
             self.decisions = (d1, d2)
-            self.steps = chain_decode(decode_mlp_steps(env, sample, cfg, activation, d1, d2), T, dev)
+            self.steps = chain_decode(fused_mlp_steps(env, sample, cfg, activation, d1, d2), T, dev)
             return
         ops1 = dict(w13=(w13, (1, cfg.gemm1.block_n, cfg.gemm1.block_k)),
                     inter=(env["inter"], (bm, cfg.gemm1.block_n)))
@@ -316,7 +316,7 @@ class ForwardPlan(Plan):
         base = scratch.data_ptr()
         for name, offset in self.layout:
             env[name] = base + offset
-        if self.fused_topk or self.fused_mlp or self.deterministic:
+        if self.fused_topk or self.deterministic:
             env["out"] = out = torch.empty(self.out_shape, dtype=hidden.dtype, device=dev)
         else:
             env["buf"] = env["out"] = out = torch.empty(self.buf_shape, dtype=torch.float32, device=dev)
