@@ -106,9 +106,11 @@ def check_grads(case, x, w13, w2, weights, ids, upstream, got, got_out, activati
     return want
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.why)
+# Every case on both memory paths with the saved intermediate; the recomputing backward (which runs the forward's
+# gate/up kernel again) once per case, on the two paths in turn.
+@pytest.mark.parametrize("case,mode,recompute", [
+    pytest.param(case, mode, recompute, id=f"{case.why}-{mode}-{'recompute' if recompute else 'saved'}")
+    for i, case in enumerate(CASES) for mode, recompute in (*((m, False) for m in MODES), (MODES[i % 2], True))])
 def test_gradients_match_reference(case, mode, recompute, device):
     x, w13, w2, weights, ids, _, up = make_inputs(case, device)
     fn = lambda *a: moe.fused_moe(*a, activation=case.activation, tma=mode, recompute=recompute)  # noqa: E731

@@ -169,9 +169,8 @@ def _strided_ids(ids):
     return wide[..., 0]
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("mode,deterministic", [("never", True), ("always", False)])
 @pytest.mark.parametrize("T", [1, 12], ids=["direct plan", "sorted plan"])
-@pytest.mark.parametrize("mode", ["never", "always"])
 def test_strided_topk_ids_views(T, mode, deterministic, device):
     """topk_ids views that flatten to a non-unit stride (``ids[:, :1]``, or a slice of a wider tensor) give the
     results of contiguous ids, forward and backward, with or without the fused top-k sum: the kernels index the
