@@ -103,8 +103,17 @@ def main() -> int:
     # The 3-pass SFT path's launches beside its forward over exponentials (sft._forward_exp, sft._row_scaled).
     comp(f"lce_sft_rowscale {sft._ROWSCALE_BLOCK}", K.lce_sft_rowscale_kernel,
          dict(e_ptr="bf16", rho_ptr="fp32", ref_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32",
-              scale_ptr="fp32", N=N, V=V, stride_en=V, ignore_index=-100, z_loss=0.0, inv_temp=1.0),
-         dict(BLOCK=sft._ROWSCALE_BLOCK, E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP), 4, 1)
+              scale_ptr="fp32", lab_ptr="fp32", N=N, V=V, stride_en=V, ignore_index=-100, z_loss=0.0,
+              inv_temp=1.0),
+         dict(BLOCK=sft._ROWSCALE_BLOCK, E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP, SPLIT_LABEL=True), 4, 1)
+    bn, bh = sft._SCALE_TILES
+    comp(f"lce_sft_dhidden {bn}x{bh}", K.lce_sft_dhidden_kernel,
+         dict(acc_ptr="fp32", rho_ptr="fp32", lab_ptr="fp32", labels_ptr="i64", w_ptr="bf16", g_ptr="fp32",
+              out_ptr="bf16", N=N, V=V, H=H, stride_an=H, stride_wv=H, stride_wk=1, stride_on=H),
+         dict(BLOCK_N=bn, BLOCK_H=bh), 4, 1)
+    comp(f"lce_label_sums {sft._LABEL_SUMS_BLOCK}", K.lce_label_sums_kernel,
+         dict(off_ptr="i64", perm_ptr="i64", lab_ptr="fp32", out_ptr="fp32", V=V),
+         dict(BLOCK=sft._LABEL_SUMS_BLOCK), 4, 1)
     bn, bv = sft._ROWS_TILES
     comp(f"lce_sft_rows {bn}x{bv}x64", K.lce_sft_rows_kernel,
          dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", d_ptr="bf16", ref_ptr="fp32", labels_ptr="i64",
@@ -134,16 +143,21 @@ def main() -> int:
         for t in shapes:
             for tma in (False, True) if kind == "plain" else (True,):
                 for s in (0,) if kind == "plain" else (1, 2):
-                    o_tma = tma and t.epi_tma
-                    comp(f"lce_dweight {kind} split={s} {t.block_v}x{t.block_h}x{t.block_k} w{t.warps} s{t.stages} "
-                         f"epi_sub={t.epi_sub} persistent={int(t.persistent)} flatten={int(t.flatten)} "
-                         f"tma={int(tma)} epi_tma={int(o_tma)}", K.lce_dweight_kernel,
-                         dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="i16" if s else "bf16",
-                              lo_ptr="i16" if s else "bf16", N=5504, V=V, H=H, stride_dn=V, stride_hn=H,
-                              stride_hk=1, stride_on=H),
-                         dict(BLOCK_V=t.block_v, BLOCK_H=t.block_h, BLOCK_K=t.block_k, GROUP_V=t.group, D_TMA=tma,
-                              H_TMA=tma, O_TMA=o_tma, DOT_PRECISION="tf32", SPLIT=s, EPI_SUB=t.epi_sub,
-                              NUM_PROGRAMS=132 if t.persistent else 0, FLATTEN=t.flatten), t.warps, t.stages)
+                    # With the label terms (bf16 exponentials) on the shipped shapes; fp32 d(logits) without.
+                    for labels in (False, True) if t.persistent else (False,):
+                        o_tma = tma and t.epi_tma
+                        comp(f"lce_dweight {kind} split={s} {t.block_v}x{t.block_h}x{t.block_k} w{t.warps} "
+                             f"s{t.stages} epi_sub={t.epi_sub} persistent={int(t.persistent)} "
+                             f"flatten={int(t.flatten)} tma={int(tma)} epi_tma={int(o_tma)} labels={int(labels)}",
+                             K.lce_dweight_kernel,
+                             dict(d_ptr="bf16", h_ptr="bf16", g_ptr="fp32", out_ptr="i16" if s else "bf16",
+                                  lo_ptr="i16" if s else "bf16", r_ptr="bf16", labels_ptr="i64", perm_ptr="i64",
+                                  off_ptr="i64", lab_ptr="fp32", N=5504, V=V, H=H, stride_dn=V, stride_hn=H,
+                                  stride_hk=1, stride_on=H, stride_rn=H, stride_rk=1),
+                             dict(BLOCK_V=t.block_v, BLOCK_H=t.block_h, BLOCK_K=t.block_k, GROUP_V=t.group,
+                                  D_TMA=tma, H_TMA=tma, O_TMA=o_tma, DOT_PRECISION="tf32", SPLIT=s,
+                                  EPI_SUB=t.epi_sub, NUM_PROGRAMS=132 if t.persistent else 0, FLATTEN=t.flatten,
+                                  HAS_LABELS=labels), t.warps, t.stages)
     for mean in (False, True):
         comp(f"lce_loss_scale mean={int(mean)}", K.lce_loss_scale_kernel,
              dict(labels_ptr="i64", scale_ptr="fp32", N=8192, ignore_index=-100), dict(MEAN=mean, BLOCK=4096), 8, 3)

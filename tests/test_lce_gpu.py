@@ -312,6 +312,26 @@ def test_bf16_sft_paths(shape, mode):
     _sft_paths_no_worse(_inputs(shape), mode)
 
 
+@pytest.mark.parametrize("path", ["3pass", "chunked"])
+@pytest.mark.parametrize("shape", SFT_SHAPES)
+def test_bf16_sft_label_terms_as_exact_as_fp32_torch(shape, path):
+    """bf16 sum loss at real sizes on the exponentials' paths: d_hidden, d_weight within 1.25x the error of fp64
+    that PyTorch's fp32-accumulated path has (d(logits) rounded once to bf16): the label entries, -1 + p for
+    unconfident tokens, enter the gradient GEMMs as fp32 terms, not as bf16 entries times bf16 scaled rows."""
+    from test_lce_sft import _fp32_torch_grads
+
+    inp = _inputs(shape)
+    h, w = (t.detach().clone().requires_grad_() for t in (inp.hidden, inp.weight))
+    with expect_path("always", sft=True):
+        got = torch.autograd.grad(lce.linear_cross_entropy(h, w, inp.labels, reduction="sum", tma="always",
+                                                           sft_path=path), (h, w))
+    h64, w64 = (t.detach().double().requires_grad_() for t in (h, w))
+    want = torch.autograd.grad(ref.linear_cross_entropy(h64, w64, inp.labels, reduction="sum"), (h64, w64))
+    base = _fp32_torch_grads(inp, "sum")[:2]
+    for name, g, b, r in zip(GRADS, got, base, want):
+        assert_no_worse(name, g, b, r, factor=1.25, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_bf16_sft_paths_softcap(mode):
     """With softcap (Gemma-2's 30) and label smoothing the 3-pass forward stores fp32 logits in token chunks (the

@@ -634,11 +634,17 @@ def lce_sft_rowscale_kernel(
     labels_ptr,  # [N] int
     lse_ptr, logprob_ptr,  # [N] fp32 from the forward's combine (log p of the label: z_label - lse)
     scale_ptr,  # [1] fp32 the upstream gradient of every kept token's loss: 1 (sum) or 1 / kept tokens (mean)
+    lab_ptr,  # [N] fp32 out, with SPLIT_LABEL: each row's label term of d(logits) (0 where there is none)
     N, V, stride_en, ignore_index, z_loss, inv_temp,
-    BLOCK: tl.constexpr, E_OFFSET: tl.constexpr, E_CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr, E_OFFSET: tl.constexpr, E_CLAMP: tl.constexpr, SPLIT_LABEL: tl.constexpr = False,
 ):
     """The row factors of the 3-pass SFT path without softcap: d(logits) = rho[:, None] * e', with e' the forward's
     e = exp(z - c) except at each kept row's label. Grid (cdiv(N, BLOCK),); O(N) work.
+
+    With SPLIT_LABEL (16-bit e) the label entry of e' becomes 0 and the label's whole d(logits) entry,
+    L = g (a p - 1) / T, goes to ``lab`` in fp32: the gradient GEMMs add L times the label's weight row (d_hidden)
+    or the token's hidden row (d_weight) in fp32, so the label term, the largest of each row, takes no rounding
+    of its own before the gradients' one (a 16-bit entry times 16-bit rho-scaled hidden rows would carry two).
 
     Away from the label, dz = g a p / T with p = e exp(c - lse), so rho = g a exp(c - lse) / T (g: ``scale``;
     a = 1 + 2 z_loss lse). At the label dz = g (a p - 1) / T, so the entry becomes (p - 1 / a) exp(lse - c), formed
@@ -655,8 +661,57 @@ def lce_sft_rowscale_kernel(
     tl.store(rho_ptr + rows, tl.where(flagged, 1.0, rho), mask=row_ok)
     here = kept & (~flagged) & (labels >= 0) & (labels < V)
     pm1 = _pm1(tl.load(logprob_ptr + rows, mask=here, other=0.0))
-    entry = (pm1 + (1.0 - 1.0 / tl.where(here, a, 1.0))) * tl.exp(tl.where(here, lse - c, 0.0))
+    if SPLIT_LABEL:
+        # a p - 1 = a (p - 1) + (a - 1): p - 1 of a confident prediction keeps its precision.
+        lab = tl.where(here, g * inv_temp * (a * pm1 + (a - 1.0)), 0.0)
+        tl.store(lab_ptr + rows, lab, mask=row_ok)
+        entry = tl.zeros((BLOCK,), tl.float32)
+    else:
+        entry = (pm1 + (1.0 - 1.0 / tl.where(here, a, 1.0))) * tl.exp(tl.where(here, lse - c, 0.0))
     tl.store(e_ptr + rows.to(tl.int64) * stride_en + labels, entry.to(e_ptr.dtype.element_ty), mask=here)
+
+
+@triton.jit
+def lce_sft_dhidden_kernel(acc_ptr, rho_ptr, lab_ptr, labels_ptr, w_ptr, g_ptr, out_ptr, N, V, H, stride_an,
+                           stride_wv, stride_wk, stride_on, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                           HAS_G: tl.constexpr = True):
+    """d_hidden = round(g * (rho[:, None] * acc + lab[:, None] * w[labels])): the fp32 product acc = e' @ w of the
+    3-pass path's kept exponentials (label entries 0) scaled by the row factors, plus each row's label term times
+    its label's weight row in fp32 (lce_sft_rowscale_kernel's SPLIT_LABEL), times the upstream gradient (1 without
+    HAS_G), rounded once. Rows whose label term is 0 read no weight row. Grid (cdiv(N, BLOCK_N), cdiv(H, BLOCK_H))."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < N
+    ok = row_ok[:, None] & (cols < H)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(acc_ptr + r64 * stride_an + cols[None, :], mask=ok, other=0.0)
+    rho = tl.load(rho_ptr + rows, mask=row_ok, other=0.0)
+    lab = tl.load(lab_ptr + rows, mask=row_ok, other=0.0)
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    use = (lab != 0.0) & (labels >= 0) & (labels < V)
+    wrow = tl.load(w_ptr + labels[:, None] * stride_wv + cols[None, :] * stride_wk, mask=ok & use[:, None],
+                   other=0.0).to(tl.float32)
+    x = x * rho[:, None] + lab[:, None] * wrow
+    if HAS_G:
+        x = x * tl.load(g_ptr)
+    tl.store(out_ptr + r64 * stride_on + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def lce_label_sums_kernel(off_ptr, perm_ptr, lab_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    """out[v] += the sum of the label terms ``lab`` of the tokens whose label is v, in token order (the d_bias
+    part of lce_sft_rowscale_kernel's SPLIT_LABEL): ``perm`` lists the tokens sorted stably by label, ``off[v]`` is
+    where label v's tokens start in it ([V + 1]). Grid (cdiv(V, BLOCK),)."""
+    v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = v < V
+    start = tl.load(off_ptr + v, mask=ok, other=0)
+    count = tl.load(off_ptr + v + 1, mask=ok, other=0) - start
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for k in range(0, tl.max(count, 0)):
+        more = k < count
+        n = tl.load(perm_ptr + start + k, mask=more, other=0)
+        acc += tl.load(lab_ptr + n, mask=more, other=0.0)
+    tl.store(out_ptr + v, tl.load(out_ptr + v, mask=ok, other=0.0) + acc, mask=ok)
 
 
 @triton.jit
@@ -808,12 +863,43 @@ def _halves(x, BLOCK_V: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
+def _label_term(acc, r_ptr, labels_ptr, perm_ptr, off_ptr, lab_ptr, v0, h0, V, H, stride_rn, stride_rk,
+                BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_V, BLOCK_H] (rows v0.., columns h0.. of a d_weight tile) + the label terms of the tokens whose
+    label lies in the tile's rows: sum over those tokens n of lab[n] * r[n, :] (lce_sft_rowscale_kernel's
+    SPLIT_LABEL). ``perm`` lists the tokens sorted stably by label and ``off[v]`` is where label v's tokens start
+    in it, so the tile's tokens are one stretch of ``perm``, taken 16 at a time in token order. Each lab[n] is
+    split into two 16-bit numbers (hi + lo, 16 significant bits), whose products with the 16-bit hidden rows the
+    tensor cores form exactly and add in fp32: the term is as exact as the fp32 sum it joins."""
+    LB: tl.constexpr = 16
+    start = tl.load(off_ptr + v0)
+    stop = tl.load(off_ptr + tl.minimum(v0 + BLOCK_V, V))
+    cols = h0 + tl.arange(0, BLOCK_H)
+    vs = v0 + tl.arange(0, BLOCK_V)
+    for j0 in range(start, stop, LB):
+        j = j0 + tl.arange(0, LB)
+        more = j < stop
+        n = tl.load(perm_ptr + j, mask=more, other=0).to(tl.int64)
+        lab = tl.load(lab_ptr + n, mask=more, other=0.0)
+        col = tl.load(labels_ptr + n, mask=more, other=-1).to(tl.int64)
+        onehot = tl.where(col[:, None] == vs[None, :], lab[:, None], 0.0)  # [LB, BLOCK_V] fp32
+        hi = onehot.to(r_ptr.dtype.element_ty)
+        lo = (onehot - hi.to(tl.float32)).to(r_ptr.dtype.element_ty)
+        rows = tl.load(r_ptr + n[:, None] * stride_rn + cols[None, :] * stride_rk,
+                       mask=more[:, None] & (cols < H)[None, :], other=0.0)
+        acc = tl.dot(tl.trans(hi), rows, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(tl.trans(lo), rows, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _dweight_tile(tile, d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, stride_dn, stride_hn, stride_hk,
-                  stride_on, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+                  stride_on, r_ptr, labels_ptr, perm_ptr, off_ptr, lab_ptr, stride_rn, stride_rk,
+                  BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
                   D_TMA: tl.constexpr, H_TMA: tl.constexpr, O_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  SPLIT: tl.constexpr, EPI_SUB: tl.constexpr):
-    """One [BLOCK_V, BLOCK_H] tile of lce_dweight_kernel: the K loop over all N tokens, then its epilogue in
-    EPI_SUB column slices."""
+                  SPLIT: tl.constexpr, EPI_SUB: tl.constexpr, HAS_LABELS: tl.constexpr):
+    """One [BLOCK_V, BLOCK_H] tile of lce_dweight_kernel: the K loop over all N tokens (and with HAS_LABELS the
+    tile's label terms, :func:`_label_term`), then its epilogue in EPI_SUB column slices."""
     vb, hb = grouped_tile(tile, tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP_V)
     acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
     for k in range(0, tl.cdiv(N, BLOCK_K)):
@@ -823,6 +909,9 @@ def _dweight_tile(tile, d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, str
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
     v0 = vb * BLOCK_V
     h0 = hb * BLOCK_H
+    if HAS_LABELS:
+        acc = _label_term(acc, r_ptr, labels_ptr, perm_ptr, off_ptr, lab_ptr, v0, h0, V, H, stride_rn, stride_rk,
+                          BLOCK_V, BLOCK_H, DOT_PRECISION)
     if EPI_SUB == 1:
         _dweight_epilogue(acc, o_dst, l_dst, out_ptr, g_ptr, v0, h0, V, H, stride_on, BLOCK_V, BLOCK_H, O_TMA,
                           SPLIT)
@@ -857,11 +946,14 @@ def lce_dweight_kernel(
     g_ptr,  # [1] fp32 upstream gradient of the loss
     out_ptr,  # [V, H] out: d_weight in the inputs' dtype; with SPLIT, int16: the upper halves of an fp32 sum
     lo_ptr,  # [V, H] int16, with SPLIT: the lower halves (strides of out)
-    N, V, H, stride_dn, stride_hn, stride_hk, stride_on,
+    r_ptr,  # [N, H] with HAS_LABELS: the hidden rows the label terms multiply (h itself may be row-scaled)
+    labels_ptr, perm_ptr, off_ptr,  # with HAS_LABELS: [N] labels, [N] tokens sorted by label, [V + 1] offsets
+    lab_ptr,  # [N] fp32 with HAS_LABELS: the label terms (lce_sft_rowscale_kernel's SPLIT_LABEL)
+    N, V, H, stride_dn, stride_hn, stride_hk, stride_on, stride_rn, stride_rk,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
     D_TMA: tl.constexpr, H_TMA: tl.constexpr, O_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr = 0, EPI_SUB: tl.constexpr = 1, NUM_PROGRAMS: tl.constexpr = 0,
-    FLATTEN: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, HAS_LABELS: tl.constexpr = False,
 ):
     """d_weight = round(g * (d^T @ h)): one GEMM over all N tokens (K = N) with fp32 accumulation, the upstream
     gradient applied to the fp32 sum and a single rounding to the output dtype (the 3-pass SFT backward). Tiles
@@ -877,6 +969,9 @@ def lce_dweight_kernel(
     d^T @ h, 2 adds it to the fp32 sum held so far, each fp32 number kept exactly as its upper 16 bits in
     ``out`` and its lower 16 bits in ``lo`` (an fp32 sum in the memory of the 16-bit gradient plus as much
     again; :func:`lce_split_finalize_kernel` applies g and rounds).
+
+    HAS_LABELS adds, before the epilogue, sum over tokens n with label v of lab[n] * r[n, :] to row v of the fp32
+    sum (:func:`_label_term`): d(logits)'s label entries kept apart in fp32 by lce_sft_rowscale_kernel.
     """
     if SPLIT != 0:
         tl.static_assert(out_ptr.dtype.element_ty == tl.int16, "SPLIT stores int16 halves")
@@ -890,14 +985,16 @@ def lce_dweight_kernel(
         l_dst = o_dst
     if NUM_PROGRAMS == 0:
         _dweight_tile(tl.program_id(0), d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, stride_dn, stride_hn,
-                      stride_hk, stride_on, BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, D_TMA, H_TMA, O_TMA, DOT_PRECISION,
-                      SPLIT, EPI_SUB)
+                      stride_hk, stride_on, r_ptr, labels_ptr, perm_ptr, off_ptr, lab_ptr, stride_rn, stride_rk,
+                      BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, D_TMA, H_TMA, O_TMA, DOT_PRECISION, SPLIT, EPI_SUB,
+                      HAS_LABELS)
     else:
         num_tiles = tl.cdiv(V, BLOCK_V) * tl.cdiv(H, BLOCK_H)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
             _dweight_tile(tile, d_src, h_src, o_dst, l_dst, out_ptr, g_ptr, N, V, H, stride_dn, stride_hn, stride_hk,
-                          stride_on, BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, D_TMA, H_TMA, O_TMA, DOT_PRECISION,
-                          SPLIT, EPI_SUB)
+                          stride_on, r_ptr, labels_ptr, perm_ptr, off_ptr, lab_ptr, stride_rn, stride_rk,
+                          BLOCK_V, BLOCK_H, BLOCK_K, GROUP_V, D_TMA, H_TMA, O_TMA, DOT_PRECISION, SPLIT, EPI_SUB,
+                          HAS_LABELS)
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from .launch import LceOptions, check_labels, lce_backward, lce_forward
 from .rl import stored_config as rl_stored_config
 from .rl import lce_rl_backward, lce_rl_forward
 from .sft import lce_sft_backward, lce_sft_chunked_backward, lce_sft_chunked_forward, lce_sft_forward, loss_scale
-from .sft import fp32_logits, loss_total, padded_cols
+from .sft import factor_rows, fp32_logits, loss_total, padded_cols
 
 
 _OPTS: dict = {}
@@ -217,7 +217,8 @@ def lce_sft_forward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: O
                          check: bool, mean: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, dlogits, rho): the 0-dim fp32 sum (``mean``: mean over kept tokens) of the per-token loss, and its
     gradient w.r.t. the logits as rho[:, None] * dlogits, dlogits [N, padded_cols(V)] in hidden's dtype, rho fp32
-    [N] (or [0]: none); see :func:`sft.lce_sft_forward`."""
+    [N], or [2N] with each row's label term after the factors (16-bit inputs), or [0]: none; see
+    :func:`sft.lce_sft_forward`."""
     with launch_context(hidden, "hopperkern.lce"):
         if check:
             check_labels(labels, weight.shape[0], ignore_index)
@@ -231,20 +232,20 @@ lce_sft_forward_op = torch.library.custom_op("hopperkern::lce_sft_forward", muta
 @lce_sft_forward_op.register_fake
 def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, check, mean):
     N = hidden.shape[0]
-    rows = 0 if N == 0 or fp32_logits(hidden.dtype, softcap, label_smoothing) else N
+    rows = 0 if N == 0 or fp32_logits(hidden.dtype, softcap, label_smoothing) else factor_rows(N, hidden.dtype)
     return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty((N, padded_cols(weight.shape[0]))),
             hidden.new_empty((rows,), dtype=torch.float32))
 
 
 def lce_sft_backward_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dlogits: Tensor, rho: Tensor,
                           g: Tensor, need_hidden_grad: bool, need_weight_grad: bool,
-                          tma: str) -> tuple[Tensor, Tensor, Tensor]:
+                          tma: str, labels: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) for the upstream gradient ``g`` (0-dim) of lce_sft_forward's loss, from its
-    dlogits and rho; a gradient that is not needed comes back as an empty tensor. See
-    :func:`sft.lce_sft_backward`."""
+    dlogits and rho (and the forward's labels, which label terms in rho need); a gradient that is not needed comes
+    back as an empty tensor. See :func:`sft.lce_sft_backward`."""
     with launch_context(hidden, "hopperkern.lce backward"):
         grads = lce_sft_backward(hidden, weight, bias, dlogits, g, need_hidden_grad=need_hidden_grad,
-                                 need_weight_grad=need_weight_grad, tma=tma, rho=rho)
+                                 need_weight_grad=need_weight_grad, tma=tma, rho=rho, labels=labels)
     return tuple(x if x is not None else hidden.new_empty((0,)) for x in grads)
 
 
@@ -252,15 +253,15 @@ lce_sft_backward_op = torch.library.custom_op("hopperkern::lce_sft_backward", mu
 
 
 @lce_sft_backward_op.register_fake
-def _(hidden, weight, bias, dlogits, rho, g, need_hidden_grad, need_weight_grad, tma):
+def _(hidden, weight, bias, dlogits, rho, g, need_hidden_grad, need_weight_grad, tma, labels=None):
     return _fake_grads(hidden, weight, bias, need_hidden_grad, need_weight_grad)
 
 
 def _sft_setup_context(ctx, inputs, output):
-    hidden, weight, _, bias = inputs[:4]
+    hidden, weight, labels, bias = inputs[:4]
     dlogits, rho = output[1], output[2]
     ctx.mark_non_differentiable(dlogits, rho)
-    ctx.save_for_backward(hidden, weight, bias, dlogits, rho)
+    ctx.save_for_backward(hidden, weight, bias, dlogits, rho, labels)
     ctx.tma = inputs[9]
     # Without this autograd would fill a zero gradient for dlogits ([N, V]: as large as dlogits itself) before
     # every backward.
@@ -269,12 +270,12 @@ def _sft_setup_context(ctx, inputs, output):
 
 def _sft_grads(ctx, backward, g_loss):
     """(d_hidden, d_weight, d_bias), None where not needed, through ``backward`` (the op or its function)."""
-    hidden, weight, bias, dlogits, rho = ctx.saved_tensors
+    hidden, weight, bias, dlogits, rho, labels = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = bias is not None and ctx.needs_input_grad[3]
     if g_loss is None or not (need_h or need_w or need_b):
         return None, None, None
-    dh, dw, db = backward(hidden, weight, bias, dlogits, rho, g_loss, need_h, need_w, ctx.tma)
+    dh, dw, db = backward(hidden, weight, bias, dlogits, rho, g_loss, need_h, need_w, ctx.tma, labels)
     return dh if need_h else None, dw if need_w else None, db if need_b else None
 
 

@@ -12,9 +12,14 @@ into the [N, V] buffer kept for the backward, in the inputs' dtype (formed from 
 z - c clamped to ``E_CLAMP`` (60) so that every stored e is finite). With the LSE known, d(logits) is a row scaling
 of e: dz = rho e with rho = g a exp(c - lse) / T (g: 1 for a sum, 1 / kept tokens for a mean, read from the device:
 no host sync; a = 1 + 2 z_loss lse), except at the label, where dz = g (a p - 1) / T. ``lce_sft_rowscale_kernel``
-(O(N)) writes rho and overwrites each label entry with (p - 1 / a) exp(lse - c), p from the forward's fp32
-log-prob, so that p - 1 of a confident prediction keeps its precision; no pass over the N x V buffer forms
-d(logits), the backward applies rho to its GEMMs' small operands. A token whose LSE lies more than ``E_CLAMP``
+(O(N)) writes rho and, for 16-bit inputs, sets each label entry to 0 and writes the label's whole entry
+L = g (a p - 1) / T as an fp32 label term (for fp32 inputs it overwrites the label entry with (p - 1 / a)
+exp(lse - c)); p comes from the forward's fp32 log-prob, so that p - 1 of a confident prediction keeps its
+precision. No pass over the N x V buffer forms d(logits): the backward applies rho to its GEMMs' small operands
+and adds the label terms in fp32. The label entry is the largest of an unconfident row (-1 + p, which rounds
+nearly exactly to bf16 where PyTorch rounds d(logits)); as a bf16 entry times bf16 rho-scaled hidden rows it would
+carry two roundings, and d_weight's error would be 2.1 to 5.5x that of PyTorch's fp32-accumulated path (measured at
+the benchmark's shapes), where the fp32 label terms leave only the gradients' own rounding. A token whose LSE lies more than ``E_CLAMP``
 above c (log p of its label below -80: the clamp may have cut its e) or whose a is ~0 is flagged:
 ``lce_sft_rows_kernel`` writes its whole d(logits) row from recomputed logits, with rho = 1 (its programs return
 at once where no row is flagged). bf16 and fp32 keep e's relative precision at every magnitude (bf16: 2^-9 down to
@@ -33,7 +38,11 @@ with fp32 accumulation, g applied to the fp32 sum and one rounding (no second ro
 ``lce_dweight_kernel``, g in its epilogue; of fp32 inputs: cuBLAS in vocab slices of at most ``DW_SLICE_BUDGET``
 fp32 bytes. With row factors rho (the exponentials' forward), dl = e' and: d_hidden = round((g rho)[:, None] *
 (e' @ w)) from the fp32 product; d_weight = round(g * (e'^T @ round(rho[:, None] * h))), h's rows scaled in fp32
-and rounded once (``lce_row_scale_kernel``, O(N H)): a relative error per term like e's own rounding.
+and rounded once (``lce_row_scale_kernel``, O(N H)): a relative error per term like e's own rounding. With label
+terms L (16-bit inputs): d_hidden's row n gains L[n] w[label n] in fp32 before its rounding
+(``lce_sft_dhidden_kernel``), d_weight's row v the sum over the tokens labelled v of L[n] h[n] (unscaled h), in
+token order, inside ``lce_dweight_kernel`` (the tokens sorted by label on the device, each L split into two 16-bit
+halves whose products with h the tensor cores form exactly), and d_bias's entry v the sum of those L.
 
 Chunked variant (:func:`lce_sft_chunked_forward`, ``sft_path="chunked"``) where the kept d(logits) would not fit:
 the forward takes the tokens in chunks of C tokens at most (:func:`chunk_tokens`, evened out by
@@ -76,15 +85,15 @@ from .._host import cdiv
 from .._validate import check_choice, dot_precision
 from ..tma.launcher import Launch, LaunchCache, state_key, tensors_key
 from ..tuning import KernelConfig
-from ._kernels import (lce_dweight_kernel, lce_label_logit_kernel, lce_loss_scale_kernel, lce_loss_total_kernel,
-                       lce_row_scale_kernel, lce_sft_dlogits_kernel, lce_sft_rows_kernel, lce_sft_rowscale_kernel,
-                       lce_split_finalize_kernel)
+from ._kernels import (lce_dweight_kernel, lce_label_logit_kernel, lce_label_sums_kernel, lce_loss_scale_kernel,
+                       lce_loss_total_kernel, lce_row_scale_kernel, lce_sft_dhidden_kernel, lce_sft_dlogits_kernel,
+                       lce_sft_rows_kernel, lce_sft_rowscale_kernel, lce_split_finalize_kernel)
 from .launch import (_ROW_BLOCK, _ROW_BLOCK_K, E_CLAMP, E_OFFSET, LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32,
                      label_by_mma, lce_forward, pick_config)
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
            "balanced_chunk", "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
-           "fp32_logits", "extra_bytes", "budget_bytes", "store_z_config", "narrow_tiles", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward",
+           "fp32_logits", "factor_rows", "extra_bytes", "budget_bytes", "store_z_config", "narrow_tiles", "check_sft_path", "use_3pass", "lce_sft_forward", "lce_sft_backward",
            "loss_scale", "loss_total"]
 
 SFT_PATHS = ("auto", "3pass", "chunked", "4pass")
@@ -159,7 +168,8 @@ def extra_bytes(N: int, V: int, H: int, elem: int, *, logits: bool = False) -> i
     d_hidden, or the row-scaled hidden states, and for fp32 inputs a d_weight slice)."""
     ld = padded_cols(V)
     forward = min(N, chunk_rows(V, 128, chunk_bytes(N, V, H, elem))) * ld * 4 if logits else N * 8
-    backward = N * H * 4 + (_slice_rows(V, H) * H * 4 if elem == 4 else 0)
+    # 16-bit inputs: the label terms' token order (int64 [N] twice, [V + 1] twice) beside the fp32 d_hidden.
+    backward = N * H * 4 + (_slice_rows(V, H) * H * 4 if elem == 4 else 16 * (N + V + 1))
     return N * ld * elem + max(forward, backward)
 
 
@@ -391,8 +401,16 @@ def lce_sft_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     if fp32_logits(hidden2d.dtype, opts.softcap, opts.label_smoothing):
         loss, rho = _forward_logits(hidden2d, weight, labels1d, bias, opts, dl, scale, config), _none(dev)
     else:
-        loss, rho = _forward_exp(hidden2d, weight, labels1d, bias, opts, dl, scale, config)
+        rho = torch.empty(factor_rows(N, hidden2d.dtype), dtype=f32, device=dev)
+        loss = _forward_exp(hidden2d, weight, labels1d, bias, opts, dl, scale, config, rho=rho[:N],
+                            lab=rho[N:] if rho.numel() > N else None)[0]
     return loss_total(loss, scale)[0], dl, rho
+
+
+def factor_rows(N: int, dtype: torch.dtype) -> int:
+    """Length of the fp32 row-factor vector :func:`lce_sft_forward` returns where it keeps exponentials: the N row
+    factors, then for 16-bit inputs the N label terms (``lce_sft_rowscale_kernel``'s SPLIT_LABEL)."""
+    return N if dtype == torch.float32 else 2 * N
 
 
 def _forward_logits(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, z=None) -> torch.Tensor:
@@ -434,17 +452,22 @@ def _dlogits_launch(tensors, rows: int, V: int, opts: LceOptions):
     return launch, d
 
 
-def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, ref=None, rho=None):
-    """``(loss, rho)``: the per-token losses (fp32 [N]) and the row factors (fp32 [N]), with ``dl`` holding e' such
-    that d(logits) = rho[:, None] * e' (bf16 or fp32, no softcap, no label smoothing). One forward over all tokens
+def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, config, ref=None, rho=None,
+                 lab=None):
+    """``(loss, rho, lab)``: the per-token losses (fp32 [N]), the row factors (fp32 [N]) and, for 16-bit inputs,
+    the label terms (fp32 [N]; else None), with ``dl`` holding e' such that d(logits) = rho[:, None] * e' plus, for
+    16-bit inputs, lab[n] at each row's label column, whose entry in e' is 0 (bf16 or fp32, no softcap, no label
+    smoothing). One forward over all tokens
     that stores e = exp(z - c) per row reference c (``e_out=(dl, ref)``, see ``lce_forward_kernel``'s E_REF), r the
     label's logit: from the forward's own label launch where it has one (:func:`.launch.label_by_mma`), else from
     an O(N H) fp32 dot before it; then ``lce_sft_rowscale_kernel`` (O(N): the factors and the
     label entries) and ``lce_sft_rows_kernel`` (the rows whose logits lie too far above their label's, if any).
-    ``ref``, ``rho``: fp32 [>= N] buffers, else new ones."""
+    ``ref``, ``rho``, ``lab``: fp32 [>= N] buffers, else new ones."""
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev = hidden2d.device
+    split = hidden2d.dtype != torch.float32
+    lab = None if not split else torch.empty(N, dtype=torch.float32, device=dev) if lab is None else lab[:N]
     cfg = config or store_e_config(pick_config("forward", hidden2d.dtype, N, H, dev), hidden2d.dtype, dev)
     ref = torch.empty(N, dtype=torch.float32, device=dev) if ref is None else ref[:N]
     rho = torch.empty(N, dtype=torch.float32, device=dev) if rho is None else rho[:N]
@@ -456,16 +479,16 @@ def _forward_exp(hidden2d, weight, labels1d, bias, opts: LceOptions, dl, scale, 
         cached_launch(key, lambda: _label_ref_launch(tensors, N, V, H, bias is not None, opts))(*tensors)
     loss, logprob, _, lse = lce_forward(hidden2d, weight, labels1d, bias, opts, need_entropy=False, config=cfg,
                                         pick_label=True, e_out=(dl, ref))
-    tensors = (dl, rho, ref, labels1d, lse, logprob, scale)
+    tensors = (dl, rho, ref, labels1d, lse, logprob, scale, rho if lab is None else lab)
     # Keyed by the scalars they take, not the call's options: no operand of these launches has a memory path.
     scalars = (opts.ignore_index, float(opts.z_loss), opts.inv_temp)
-    key = ("rowscale", dev, N, V, dl.stride(0), scalars, *state_key(), *tensors_key(tensors))
-    cached_launch(key, lambda: _rowscale_launch(tensors, N, V, opts))(*tensors)
+    key = ("rowscale", dev, N, V, dl.stride(0), scalars, split, *state_key(), *tensors_key(tensors))
+    cached_launch(key, lambda: _rowscale_launch(tensors, N, V, opts, split))(*tensors)
     tensors = (hidden2d, weight, b_arg, dl, ref, labels1d, lse, logprob, scale)
     key = ("flagged_rows", dev, N, V, H, hidden2d.stride(), weight.stride(), dl.stride(0), bias is None,
            cfg.block_k, scalars, *state_key(), *tensors_key(tensors))
     cached_launch(key, lambda: _rows_launch(tensors, N, V, H, bias is not None, cfg.block_k, opts))(*tensors)
-    return loss, rho
+    return loss, rho, lab
 
 
 def _label_ref_launch(tensors, N: int, V: int, H: int, has_bias: bool, opts: LceOptions):
@@ -477,11 +500,50 @@ def _label_ref_launch(tensors, N: int, V: int, H: int, has_bias: bool, opts: Lce
                   HAS_BIAS=has_bias, SOFTCAP=False), None
 
 
-def _rowscale_launch(tensors, N: int, V: int, opts: LceOptions):
-    """:func:`cached_launch`'s build of ``lce_sft_rowscale_kernel``."""
+def _rowscale_launch(tensors, N: int, V: int, opts: LceOptions, split: bool):
+    """:func:`cached_launch`'s build of ``lce_sft_rowscale_kernel`` (``split``: SPLIT_LABEL)."""
     return Launch(lce_sft_rowscale_kernel, (cdiv(N, _ROWSCALE_BLOCK),), *tensors, N, V, tensors[0].stride(0),
                   opts.ignore_index, float(opts.z_loss), opts.inv_temp, BLOCK=_ROWSCALE_BLOCK, E_OFFSET=E_OFFSET,
-                  E_CLAMP=E_CLAMP), None
+                  E_CLAMP=E_CLAMP, SPLIT_LABEL=split), None
+
+
+def _label_order(labels1d: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, off)``: the tokens sorted stably by label (int64 [N]; labels outside [0, V) last) and where the
+    tokens of each label v start in that order (int64 [V + 1]), on the device (no host sync): what the label terms
+    of the d_weight and d_bias sums read (:func:`_label_term` in ``lce_dweight_kernel``, ``lce_label_sums_kernel``)."""
+    key = torch.where((labels1d >= 0) & (labels1d < V), labels1d, V)
+    sorted_keys, perm = torch.sort(key, stable=True)
+    off = torch.searchsorted(sorted_keys, torch.arange(V + 1, device=labels1d.device, dtype=sorted_keys.dtype))
+    return perm, off
+
+
+def _dhidden(acc: torch.Tensor, rho: torch.Tensor, lab: torch.Tensor, labels1d: torch.Tensor, weight: torch.Tensor,
+             g: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out = round(g * (rho[:, None] * acc + lab[:, None] * weight[labels])) (``g`` None: 1), one launch of
+    ``lce_sft_dhidden_kernel``: d_hidden rows of the exponentials path with its label terms in fp32."""
+    N, H = acc.shape
+    if N and H:
+        bn, bh = _SCALE_TILES
+        gg = rho if g is None else g.reshape(1)
+        tensors = (acc, rho, lab, labels1d, weight, gg, out)
+        key = ("dhidden", acc.device, N, H, weight.shape[0], acc.stride(0), weight.stride(), out.stride(0),
+               g is None, *state_key(), *tensors_key(tensors))
+        cached_launch(key, lambda: (Launch(lce_sft_dhidden_kernel, (cdiv(N, bn), cdiv(H, bh)), *tensors, N,
+                                           weight.shape[0], H, acc.stride(0), weight.stride(0), weight.stride(1),
+                                           out.stride(0), BLOCK_N=bn, BLOCK_H=bh, HAS_G=g is not None),
+                                    None))(*tensors)
+    return out
+
+
+def _add_label_sums(out: torch.Tensor, perm: torch.Tensor, off: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+    """out[v] += the sum of the label terms of the tokens labelled v (fp32 [V], in place; ``lce_label_sums_kernel``)."""
+    V = out.shape[0]
+    if V:
+        tensors = (off, perm, lab, out)
+        key = ("label_sums", out.device, V, *state_key(), *tensors_key(tensors))
+        cached_launch(key, lambda: (Launch(lce_label_sums_kernel, (cdiv(V, _LABEL_SUMS_BLOCK),), *tensors, V,
+                                           BLOCK=_LABEL_SUMS_BLOCK), None))(*tensors)
+    return out
 
 
 def _rows_launch(tensors, N: int, V: int, H: int, has_bias: bool, block_k: int, opts: LceOptions):
@@ -579,24 +641,30 @@ def dweight_tiles(H: int, split: bool) -> DwTiles:
 
 
 def _dweight(dl: torch.Tensor, hidden2d: torch.Tensor, g: torch.Tensor, d_w: torch.Tensor, tma: str, *,
-             lo: torch.Tensor | None = None, accumulate: bool = False, tiles: DwTiles | None = None) -> None:
+             lo: torch.Tensor | None = None, accumulate: bool = False, tiles: DwTiles | None = None,
+             labels: tuple | None = None) -> None:
     """d_w = round(g * (dl^T @ hidden2d)) for 16-bit inputs, one launch of ``lce_dweight_kernel``. With ``lo``
     (int16, d_w's shape; the chunked variant): the fp32 product, or with ``accumulate`` its sum with the fp32
     numbers held so far, kept exactly as upper halves in d_w's memory and lower halves in ``lo`` (g not applied;
-    :func:`_finalize_split` does that). ``tiles``: the launch shape, else :func:`dweight_tiles`'s."""
+    :func:`_finalize_split` does that). ``tiles``: the launch shape, else :func:`dweight_tiles`'s. ``labels``:
+    ``(r, labels1d, perm, off, lab)``, the label terms added to the fp32 sum (:func:`_label_term`): the hidden rows
+    r they multiply, the labels, :func:`_label_order`'s perm and off, and the fp32 terms."""
     N, H = hidden2d.shape
     V = d_w.shape[0]
     t = tiles or dweight_tiles(H, lo is not None)
     out = d_w if lo is None else d_w.view(torch.int16)
-    tensors = (dl, hidden2d, g, out, out if lo is None else lo)
+    r, lab_ids, perm, off, lab = labels if labels is not None else (hidden2d, g, g, g, g)
+    tensors = (dl, hidden2d, g, out, out if lo is None else lo, r, lab_ids, perm, off, lab)
     key = ("dweight", dl.device, N, V, H, dl.stride(0), hidden2d.stride(), out.stride(0), lo is None,
-           bool(accumulate), t, tma, *state_key(), *tensors_key(tensors))
-    cached_launch(key, lambda: _dweight_launch(tensors, N, V, H, t, tma, lo is not None, accumulate))(*tensors)
+           bool(accumulate), t, tma, labels is not None, r.stride(), *state_key(), *tensors_key(tensors))
+    cached_launch(key, lambda: _dweight_launch(tensors, N, V, H, t, tma, lo is not None, accumulate,
+                                               labels is not None))(*tensors)
 
 
-def _dweight_launch(tensors, N: int, V: int, H: int, t: DwTiles, tma: str, split: bool, accumulate: bool):
+def _dweight_launch(tensors, N: int, V: int, H: int, t: DwTiles, tma: str, split: bool, accumulate: bool,
+                    has_labels: bool = False):
     """:func:`cached_launch`'s build of ``lce_dweight_kernel`` (see :func:`_dweight`)."""
-    dl, hidden2d, _, out, lo = tensors
+    dl, hidden2d, _, out, lo, r = tensors[:6]
     box = (t.block_v, t.block_h // t.epi_sub)
     operands = {"dlogits": (dl, (t.block_k, t.block_v)), "hidden": (hidden2d, (t.block_k, t.block_h))}
     if t.epi_tma:
@@ -618,7 +686,7 @@ def _dweight_launch(tensors, N: int, V: int, H: int, t: DwTiles, tma: str, split
         programs = min(tiles_total, _sm_count(dl.device))
     launch = Launch(
         lce_dweight_kernel, (programs or tiles_total,), *tensors, N, V, H, dl.stride(0), hidden2d.stride(0),
-        hidden2d.stride(1), out.stride(0),
+        hidden2d.stride(1), out.stride(0), r.stride(0), r.stride(1), HAS_LABELS=has_labels,
         BLOCK_V=t.block_v, BLOCK_H=t.block_h, BLOCK_K=t.block_k, GROUP_V=t.group, D_TMA=d["dlogits"],
         H_TMA=d["hidden"], O_TMA=o_tma, DOT_PRECISION=dot_precision(hidden2d.dtype),
         SPLIT=0 if not split else 1 + accumulate, EPI_SUB=t.epi_sub, NUM_PROGRAMS=programs, FLATTEN=t.flatten,
@@ -628,6 +696,7 @@ def _dweight_launch(tensors, N: int, V: int, H: int, t: DwTiles, tma: str, split
 
 
 _FINALIZE_BLOCK = 1024
+_LABEL_SUMS_BLOCK = 256
 
 
 def _finalize_split(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -649,7 +718,8 @@ def _scaled(acc: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tens
 
 def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits: torch.Tensor, g: torch.Tensor,
                      *, need_hidden_grad: bool = True, need_weight_grad: bool = True, tma: str = "auto",
-                     hidden_grad_out: torch.Tensor | None = None, rho: torch.Tensor | None = None):
+                     hidden_grad_out: torch.Tensor | None = None, rho: torch.Tensor | None = None,
+                     labels: torch.Tensor | None = None):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` of the 3-pass path in the inputs' dtype, from
     the forward's ``dlogits`` (:func:`lce_sft_forward`) and the 0-dim upstream gradient ``g`` of its loss (read on
     the device); ``tma``: the call's memory-path mode. Each gradient is one fp32-accumulating GEMM over its whole K dim, times g in fp32, rounded once:
@@ -659,7 +729,10 @@ def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits
     factors of d(logits) = rho[:, None] * dlogits (:func:`lce_sft_forward`; None or empty: none), applied to the
     GEMMs' small operands and results: d_hidden = round((g rho)[:, None] * (dlogits @ w)) from the fp32 product,
     d_weight = round(g * (dlogits^T @ round(rho[:, None] * h))) (h's rows scaled in fp32 and rounded once to the
-    inputs' dtype, the same relative error as dlogits' own rounding), d_bias from fp32 sums.
+    inputs' dtype, the same relative error as dlogits' own rounding), d_bias from fp32 sums. ``rho`` of 2N entries
+    (:func:`factor_rows`: 16-bit inputs) holds the label terms after the factors, and ``labels`` (the forward's,
+    [N]) is required: each row's label term lab[n] is added in fp32, as lab[n] * w[labels[n]] to d_hidden's row
+    and lab[n] * h[n] to d_weight's row labels[n] (its entry in dlogits being 0), before the one rounding.
     Extra memory: fp32 [N, H] for d_hidden (and for fp32 inputs one fp32 d_weight slice, ``DW_SLICE_BUDGET``), and
     with ``rho`` the scaled hidden states ([N, H], the inputs' dtype)."""
     N, H = hidden2d.shape
@@ -669,16 +742,23 @@ def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits
     g = g.to(device=dev, dtype=torch.float32)
     if rho is not None and rho.numel() == 0:
         rho = None
+    lab = None
+    if rho is not None and rho.numel() == 2 * N and N:
+        if labels is None:
+            raise ValueError("lce_sft_backward: row factors with label terms (2N entries) need the labels")
+        rho, lab = rho[:N], rho[N:]
     # The factor of d_hidden's fp32 rows: g, or g times each row's factor ([N, 1]).
-    g_rows = g if rho is None else (rho * g)[:, None]
+    g_rows = g if rho is None or lab is not None else (rho * g)[:, None]
     d_h = None
     if need_hidden_grad:
         d_h = torch.empty((N, H), dtype=dt, device=dev) if hidden_grad_out is None else hidden_grad_out
     d_w = torch.empty((V, H), dtype=dt, device=dev) if need_weight_grad else None
-    d_b = None
+    d_b = order = None
     if bias is not None:
         d_b = torch.empty(V, dtype=bias.dtype, device=dev)
-        _scaled(dl.sum(0, dtype=torch.float32) if rho is None or N == 0 else _weighted_cols(dl, rho), g, d_b)
+        order = _label_order(labels, V) if lab is not None else None
+        sums = dl.sum(0, dtype=torch.float32) if rho is None or N == 0 else _weighted_cols(dl, rho)
+        _scaled(sums if lab is None else _add_label_sums(sums, *order, lab), g, d_b)
     if N == 0:
         return tuple(t.zero_() if t is not None else None for t in (d_h, d_w, d_b))
     if need_hidden_grad:
@@ -688,11 +768,17 @@ def lce_sft_backward(hidden2d: torch.Tensor, weight: torch.Tensor, bias, dlogits
         step = V if fast_mm_f32(dl) else _slice_rows(V, N)
         for v0 in range(0, V, step):
             _acc_mm_f32(acc, dl[:, v0:v0 + step], weight[v0:v0 + step], beta=int(v0 > 0))
-        _scaled(acc, g_rows, d_h)
+        if lab is None:
+            _scaled(acc, g_rows, d_h)
+        else:
+            _dhidden(acc, rho, lab, labels, weight, g, d_h)
         del acc  # its memory serves the scaled hidden states
     h_w = hidden2d if rho is None or not need_weight_grad else _row_scaled(hidden2d, rho)
     if need_weight_grad and dt != torch.float32:
-        _dweight(dl, h_w, g.reshape(1), d_w, tma)
+        terms = None
+        if lab is not None:
+            terms = (hidden2d, labels, *(order or _label_order(labels, V)), lab)
+        _dweight(dl, h_w, g.reshape(1), d_w, tma, labels=terms)
     elif need_weight_grad:
         rows = _slice_rows(V, H)
         acc = torch.empty((min(rows, V), H), dtype=torch.float32, device=dev)
@@ -742,7 +828,8 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
         scratch = torch.empty((C, ld), dtype=f32, device=dev)
     else:
         cfg = config or store_e_config(pick_config("forward", dt, C, H, dev), dt, dev)
-        scratch = torch.empty((2, C), dtype=f32, device=dev)  # the reference logits and the row factors
+        # The reference logits, the row factors and (16-bit inputs) the label terms.
+        scratch = torch.empty((3, C), dtype=f32, device=dev)
         # The chunk's hidden rows scaled by its row factors: the d_weight GEMM's operand.
         h_w = torch.empty((C, H), dtype=dt, device=dev) if need_weight_grad else None
     # fp32 rows of d_hidden where cuBLAS returns 16-bit inputs' products in fp32: one rounding into d_h.
@@ -751,12 +838,17 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
     for c0 in range(0, N, C):
         rows = min(C, N - c0)
         h_c, lab, dl_c = hidden2d[c0:c0 + rows], labels1d[c0:c0 + rows], dl[:rows]
+        terms = order = None
         if logits:
             losses.append(_forward_logits(h_c, weight, lab, bias, opts, dl_c, scale, cfg, z=scratch[:rows]))
             rho = None
         else:
-            loss, rho = _forward_exp(h_c, weight, lab, bias, opts, dl_c, scale, cfg, ref=scratch[0], rho=scratch[1])
+            loss, rho, terms = _forward_exp(h_c, weight, lab, bias, opts, dl_c, scale, cfg, ref=scratch[0],
+                                            rho=scratch[1], lab=scratch[2])
             losses.append(loss)
+            if terms is not None and (need_weight_grad or bias is not None):
+                order = _label_order(lab, V)
+            raw = h_c
             if need_weight_grad:
                 h_c = _row_scaled(h_c, rho, h_w[:rows])
         d = dl_c[:, :V]
@@ -772,14 +864,19 @@ def lce_sft_chunked_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels
                 _acc_mm_f32(acc_h[:rows], d[:, v0:v0 + step], weight[v0:v0 + step], beta=int(v0 > 0))
             if rho is None:
                 d_h[c0:c0 + rows].copy_(acc_h[:rows])
-            else:
+            elif terms is None:
                 torch.mul(acc_h[:rows], rho[:, None], out=d_h[c0:c0 + rows])
+            else:
+                _dhidden(acc_h[:rows], rho, terms, lab, weight, None, d_h[c0:c0 + rows])
         if split:
-            _dweight(d, h_c, scale, d_w, opts.tma, lo=lo, accumulate=c0 > 0)
+            _dweight(d, h_c, scale, d_w, opts.tma, lo=lo, accumulate=c0 > 0,
+                     labels=None if terms is None else (raw, lab, *order, terms))
         elif need_weight_grad:
             _acc_mm_f32(d_w, d.t(), h_c, beta=int(c0 > 0))
         if bias is not None:
             d_b += d.sum(0, dtype=f32) if rho is None else _weighted_cols(d, rho)
+            if terms is not None:
+                _add_label_sums(d_b, *order, terms)
     return loss_total(_joined(losses), scale)[0], d_h, d_w, lo, d_b
 
 
