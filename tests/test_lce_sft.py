@@ -455,6 +455,30 @@ def test_3pass_far_labels(mode, reduction, by_mma, monkeypatch):
     _check_3pass_vs_reference_and_4pass(case, mode, inp, ups, vs_4pass=not by_mma)
 
 
+@pytest.mark.skipif(not _BF16_OK, reason="bf16 tl.dot is wrong in the interpreter without conftest's patch")
+def test_3pass_far_labels_bf16_label_terms():
+    """bf16 with flagged rows (label log-prob below -80: lce_sft_rows_kernel writes their whole d(logits) rows,
+    label entries included, and their label terms are 0) beside plain rows (fp32 label terms) and ignored ones:
+    d_hidden, d_weight and d_bias within 1.25x the error of fp64 of PyTorch's fp32-accumulated path."""
+    inp = make_inputs((24, 300, 32), torch.bfloat16, bias=True, ignore=0.2, logit_std=1.0)
+    far = torch.zeros(inp.hidden.shape[0], dtype=torch.bool, device=inp.hidden.device)
+    far[1::3] = True
+    inp.hidden[far] = (inp.hidden[far].float() * 150.0).bfloat16()
+    z = ref.reference_logits(inp.hidden, inp.weight, inp.bias, None, 1.0)
+    logp = torch.log_softmax(z, -1).gather(1, inp.labels.clamp(min=0)[:, None])[:, 0]
+    flagged = inp.kept & (logp < -(launch.E_OFFSET + launch.E_CLAMP + 1))
+    assert flagged.sum() >= 2 and (inp.kept & ~flagged).sum() >= 3, "the batch must mix flagged and plain rows"
+    leaves = _leaves(inp)
+    with expect_path("never", sft=True):
+        got = torch.autograd.grad(lce.linear_cross_entropy(*leaves[:2], inp.labels, bias=leaves[2], reduction="sum",
+                                                           tma="never", sft_path="3pass"), leaves)
+    h64, w64, b64 = _leaves(inp, torch.float64)
+    want = torch.autograd.grad(ref.linear_cross_entropy(h64, w64, inp.labels, bias=b64, reduction="sum"),
+                               (h64, w64, b64))
+    for name, g, t, r in zip(("d_hidden", "d_weight", "d_bias"), got, _fp32_torch_grads(inp, "sum"), want):
+        assert_no_worse(name, g, t, r, factor=1.25, atol=1e-6)
+
+
 @pytest.mark.parametrize("by_mma", REF_SOURCES)
 def test_3pass_row_factors(by_mma, monkeypatch):
     """lce_sft_forward's (dlogits, rho) pair on the stored exponentials' path: rho[:, None] * dlogits is d(logits) of
