@@ -702,3 +702,25 @@ def test_dweight_launch_shapes_agree(mode, split):
         assert torch.equal(results[0], (prior.double() + prod).float()), "split sum"
     else:
         assert torch.equal(results[0], (prod.float() * g).half()), "d_weight"
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous out", "transposed out"])
+def test_dhidden_label_terms(strided):
+    """sft._dhidden: g * (rho * acc + lab * w[label]) per row in fp32, rounded once; rows with a zero label term or
+    a label outside [0, V) read no weight row; an output of non-unit column stride gets the same values."""
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    N, H, V = 6, 40, 7
+    acc = torch.randn(N, H, generator=gen, device=DEVICE)
+    rho = torch.rand(N, generator=gen, device=DEVICE)
+    lab = torch.randn(N, generator=gen, device=DEVICE)
+    lab[2] = 0.0
+    labels = torch.randint(0, V, (N,), generator=gen, device=DEVICE)
+    labels[4] = -100
+    weight = torch.randn(V, H, generator=gen, device=DEVICE)
+    g = torch.tensor(0.75, device=DEVICE)
+    use = (lab != 0) & (labels >= 0)
+    want = g * (rho[:, None] * acc + torch.where(use, lab, 0.0)[:, None] * weight[labels.clamp(min=0)])
+    out = torch.empty(H, N, device=DEVICE).t() if strided else torch.empty(N, H, device=DEVICE)
+    got = sft._dhidden(acc, rho, lab, labels, weight, g, out)
+    assert got is out
+    assert_close(out, want, 1e-6, "d_hidden rows")

@@ -168,8 +168,9 @@ def extra_bytes(N: int, V: int, H: int, elem: int, *, logits: bool = False) -> i
     d_hidden, or the row-scaled hidden states, and for fp32 inputs a d_weight slice)."""
     ld = padded_cols(V)
     forward = min(N, chunk_rows(V, 128, chunk_bytes(N, V, H, elem))) * ld * 4 if logits else N * 8
-    # 16-bit inputs: the label terms' token order (int64 [N] twice, [V + 1] twice) beside the fp32 d_hidden.
-    backward = N * H * 4 + (_slice_rows(V, H) * H * 4 if elem == 4 else 16 * (N + V + 1))
+    # 16-bit inputs: the label terms' token order (int64: the keys, the sorted keys and the order [N]; the probes
+    # and the offsets [V + 1]) beside the fp32 d_hidden.
+    backward = N * H * 4 + (_slice_rows(V, H) * H * 4 if elem == 4 else 24 * N + 16 * (V + 1))
     return N * ld * elem + max(forward, backward)
 
 
@@ -522,7 +523,10 @@ def _dhidden(acc: torch.Tensor, rho: torch.Tensor, lab: torch.Tensor, labels1d: 
     """out = round(g * (rho[:, None] * acc + lab[:, None] * weight[labels])) (``g`` None: 1), one launch of
     ``lce_sft_dhidden_kernel``: d_hidden rows of the exponentials path with its label terms in fp32."""
     N, H = acc.shape
-    if N and H:
+    if N and H and out.stride(1) != 1:  # the kernel writes rows of unit column stride
+        out.copy_(_dhidden(acc, rho, lab, labels1d, weight, g, torch.empty((N, H), dtype=out.dtype,
+                                                                          device=out.device)))
+    elif N and H:
         bn, bh = _SCALE_TILES
         gg = rho if g is None else g.reshape(1)
         tensors = (acc, rho, lab, labels1d, weight, gg, out)
