@@ -9,7 +9,8 @@ Kernel rows (``part=kernel``), per case (V, H, N tokens of one launch):
   adds d^T @ h, writes it back. Reference: cuBLAS ``addmm`` of the same product into an fp32 [V, H] C, the same
   bytes (C read and written in fp32).
 - ``plain``: the unbounded 3-pass path's launch (SPLIT 0: g applied, one rounding to bf16). Reference: cuBLAS's
-  bf16 ``d.T @ h``.
+  bf16 ``d.T @ h``. Each shape is timed again with the label terms of bf16 exponentials (``HAS_LABELS``: one
+  random label and fp32 term per token, checked against cuBLAS's fp32 product plus an fp32 ``index_add``).
 Every launch shape's output must equal the first one's bit for bit (one K order; the epilogue changes only how the
 tile is written), and the first one's must match cuBLAS's fp32 product; a shape that differs is reported and not
 timed. Times are CUDA-event medians of back-to-back launches in rotated rounds after a settling run
@@ -138,6 +139,20 @@ def _kernel_rows(kind, cases, shapes, rounds, reps, log):
                                                                     tiles=t))
             else:
                 fns[name] = lambda t=t, hi=hi: sft._dweight(d, h, one, hi, "auto", tiles=t)
+                # The same launch with the 3-pass path's label terms (bf16 exponentials: one label per token).
+                labels = torch.randint(0, V, (N,), device="cuda", generator=g)
+                lab = torch.randn(N, device="cuda", generator=g)
+                terms = (h, labels, *sft._label_order(labels, V), lab)
+                hl = torch.empty((V, H), dtype=torch.bfloat16, device="cuda")
+                sft._dweight(d, h, one, hl, "auto", tiles=t, labels=terms)
+                ref_l = (want - ref32).index_add(0, labels, lab[:, None] * h.float())
+                err = ((hl.float() - ref_l).abs().max() / ref_l.abs().max()).item()
+                log(f"  {kind} {V}x{H}x{N} {name} + label terms: max error vs cuBLAS fp32 {err:.2e}")
+                if err < 1e-2:
+                    fns[name + " + label terms"] = (lambda t=t, hl=hl, terms=terms: sft._dweight(
+                        d, h, one, hl, "auto", tiles=t, labels=terms))
+                else:
+                    log(f"  {kind} {V}x{H}x{N} {name} + label terms: WRONG")
         times = _rounds(fns, rounds, reps, settle=10)
         ref_name = next(iter(fns))
         ref_ms = statistics.median(times[ref_name])
