@@ -704,6 +704,48 @@ def test_dweight_launch_shapes_agree(mode, split):
         assert torch.equal(results[0], (prod.float() * g).half()), "d_weight"
 
 
+@pytest.mark.parametrize("split", (0, 2), ids=("plain", "split"))
+@pytest.mark.parametrize("mode", MODES)
+def test_dweight_label_terms_every_launch_shape(mode, split):
+    """lce_dweight_kernel's label terms (HAS_LABELS) on every launch shape: each token's fp32 term times its row of
+    r (not the GEMM's hidden operand) lands in its label's d_weight row, before the epilogue. Skewed labels: 20 of
+    37 tokens share one label (two 16-token steps in its tile, the second partly masked), three the last,
+    ragged row; ignored tokens (label -100) carry nonzero terms that must not land anywhere. The terms need
+    their lower 16-bit half (2^-12 parts below a half-precision number near 1), and every operand is a multiple of
+    a power of two, so all sums are exact in fp32 and the result must equal the exact one bit for bit."""
+    gen = torch.Generator().manual_seed(12)
+    N, V, H = 37, 72, 88
+    dl = (torch.randint(-8, 9, (N, V), generator=gen) / 8).half()
+    h = (torch.randint(-8, 9, (N, H), generator=gen) / 8).half()
+    r = (torch.randint(-8, 9, (N, H), generator=gen) / 16).half()
+    labels = torch.randint(0, V, (N,), generator=gen)
+    labels[:20] = 5
+    labels[30:33] = V - 1
+    labels[33:35] = -100
+    lab = torch.randint(-8, 9, (N,), generator=gen) / 8 + torch.randint(-3, 4, (N,), generator=gen) * 2.0**-12
+    lab[:4] = 1 + 2.0**-12  # hi = 1, lo = 2^-12
+    perm, off = sft._label_order(labels, V)
+    g = torch.tensor([0.37])
+    prior = torch.randn((V, H), generator=gen)
+    exact = dl.double().t() @ h.double()
+    kept = labels >= 0
+    exact.index_add_(0, labels[kept], lab[kept].double()[:, None] * r[kept].double())
+    for name, change in _DW_SHAPES:
+        tiles = sft.dweight_tiles(H, bool(split))._replace(**change)
+        out = torch.full((V, H), float("nan"), dtype=torch.float16)
+        terms = (r, labels, perm, off, lab)
+        if split:
+            bits = prior.view(torch.int32)
+            out.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+            lo = bits.to(torch.int16)
+            sft._dweight(dl, h, g, out, mode, lo=lo, accumulate=True, tiles=tiles, labels=terms)
+            res = ((out.view(torch.int16).to(torch.int32) << 16) | (lo.to(torch.int32) & 0xFFFF)).view(torch.float32)
+            assert torch.equal(res, (prior.double() + exact).float()), name
+        else:
+            sft._dweight(dl, h, g, out, mode, tiles=tiles, labels=terms)
+            assert torch.equal(out, (exact.float() * g).half()), name
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous out", "transposed out"])
 def test_dhidden_label_terms(strided):
     """sft._dhidden: g * (rho * acc + lab * w[label]) per row in fp32, rounded once; rows with a zero label term or
