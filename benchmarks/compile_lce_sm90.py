@@ -110,10 +110,10 @@ def main() -> int:
     comp(f"lce_sft_dhidden {bn}x{bh}", K.lce_sft_dhidden_kernel,
          dict(acc_ptr="fp32", rho_ptr="fp32", lab_ptr="fp32", labels_ptr="i64", w_ptr="bf16", g_ptr="fp32",
               out_ptr="bf16", N=N, V=V, H=H, stride_an=H, stride_wv=H, stride_wk=1, stride_on=H),
-         dict(BLOCK_N=bn, BLOCK_H=bh), 4, 1)
-    comp(f"lce_label_sums {sft._LABEL_SUMS_BLOCK}", K.lce_label_sums_kernel,
+         dict(BLOCK_N=bn, BLOCK_H=bh, HAS_G=True), 4, 1)
+    comp(f"lce_label_sums {sft._LABEL_SUMS_BLOCK}x{sft._LABEL_SUMS_STEP}", K.lce_label_sums_kernel,
          dict(off_ptr="i64", perm_ptr="i64", lab_ptr="fp32", out_ptr="fp32", V=V),
-         dict(BLOCK=sft._LABEL_SUMS_BLOCK), 4, 1)
+         dict(BLOCK=sft._LABEL_SUMS_BLOCK, STEP=sft._LABEL_SUMS_STEP), 4, 1)
     bn, bv = sft._ROWS_TILES
     comp(f"lce_sft_rows {bn}x{bv}x64", K.lce_sft_rows_kernel,
          dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", d_ptr="bf16", ref_ptr="fp32", labels_ptr="i64",

@@ -746,6 +746,25 @@ def test_dweight_label_terms_every_launch_shape(mode, split):
             assert torch.equal(out, (exact.float() * g).half()), name
 
 
+def test_label_sums_skewed():
+    """sft._add_label_sums (d_bias's label terms): out[v] gains the sum of the terms of the tokens labelled v, for a
+    label that 300 of 400 tokens share (many 16-token steps of one lane, the last partly masked), labels at both
+    ends of V, ignored tokens whose nonzero terms must land nowhere, and a tail block of V. Against fp64 sums."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    N, V = 400, 300
+    labels = torch.randint(0, V, (N,), generator=gen, device=DEVICE)
+    labels[:300] = 7
+    labels[300:305] = V - 1
+    labels[305:307] = 0
+    labels[307:310] = -100
+    lab = torch.randn(N, generator=gen, device=DEVICE)
+    prior = torch.randn(V, generator=gen, device=DEVICE)
+    kept = labels >= 0
+    want = prior.double().index_add(0, labels[kept], lab[kept].double())
+    got = sft._add_label_sums(prior.clone(), *sft._label_order(labels, V), lab)
+    assert_close(got, want.float(), 1e-6, "label sums")
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous out", "transposed out"])
 def test_dhidden_label_terms(strided):
     """sft._dhidden: g * (rho * acc + lab * w[label]) per row in fp32, rounded once; rows with a zero label term or

@@ -698,20 +698,23 @@ def lce_sft_dhidden_kernel(acc_ptr, rho_ptr, lab_ptr, labels_ptr, w_ptr, g_ptr, 
 
 
 @triton.jit
-def lce_label_sums_kernel(off_ptr, perm_ptr, lab_ptr, out_ptr, V, BLOCK: tl.constexpr):
-    """out[v] += the sum of the label terms ``lab`` of the tokens whose label is v, in token order (the d_bias
-    part of lce_sft_rowscale_kernel's SPLIT_LABEL): ``perm`` lists the tokens sorted stably by label, ``off[v]`` is
-    where label v's tokens start in it ([V + 1]). Grid (cdiv(V, BLOCK),)."""
+def lce_label_sums_kernel(off_ptr, perm_ptr, lab_ptr, out_ptr, V, BLOCK: tl.constexpr, STEP: tl.constexpr):
+    """out[v] += the sum of the label terms ``lab`` of the tokens whose label is v (the d_bias part of
+    lce_sft_rowscale_kernel's SPLIT_LABEL): ``perm`` lists the tokens sorted stably by label, ``off[v]`` is where
+    label v's tokens start in it ([V + 1]). Each label's tokens are read STEP at a time in token order, so a label
+    that many tokens share (a skewed batch) takes count / STEP dependent steps, not count; the fixed order keeps
+    the sums reproducible. Grid (cdiv(V, BLOCK),)."""
     v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = v < V
     start = tl.load(off_ptr + v, mask=ok, other=0)
     count = tl.load(off_ptr + v + 1, mask=ok, other=0) - start
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for k in range(0, tl.max(count, 0)):
-        more = k < count
-        n = tl.load(perm_ptr + start + k, mask=more, other=0)
+    acc = tl.zeros((BLOCK, STEP), tl.float32)
+    for k in range(0, tl.max(count, 0), STEP):
+        j = k + tl.arange(0, STEP)[None, :]
+        more = j < count[:, None]
+        n = tl.load(perm_ptr + start[:, None] + j, mask=more, other=0)
         acc += tl.load(lab_ptr + n, mask=more, other=0.0)
-    tl.store(out_ptr + v, tl.load(out_ptr + v, mask=ok, other=0.0) + acc, mask=ok)
+    tl.store(out_ptr + v, tl.load(out_ptr + v, mask=ok, other=0.0) + tl.sum(acc, 1), mask=ok)
 
 
 @triton.jit

@@ -546,7 +546,7 @@ def _add_label_sums(out: torch.Tensor, perm: torch.Tensor, off: torch.Tensor, la
         tensors = (off, perm, lab, out)
         key = ("label_sums", out.device, V, *state_key(), *tensors_key(tensors))
         cached_launch(key, lambda: (Launch(lce_label_sums_kernel, (cdiv(V, _LABEL_SUMS_BLOCK),), *tensors, V,
-                                           BLOCK=_LABEL_SUMS_BLOCK), None))(*tensors)
+                                           BLOCK=_LABEL_SUMS_BLOCK, STEP=_LABEL_SUMS_STEP), None))(*tensors)
     return out
 
 
@@ -700,7 +700,8 @@ def _dweight_launch(tensors, N: int, V: int, H: int, t: DwTiles, tma: str, split
 
 
 _FINALIZE_BLOCK = 1024
-_LABEL_SUMS_BLOCK = 256
+_LABEL_SUMS_BLOCK = 128
+_LABEL_SUMS_STEP = 16
 
 
 def _finalize_split(hi: torch.Tensor, lo: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
