@@ -28,6 +28,8 @@ def _names(dtypes) -> str:
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # sparse or nested: no strided memory for the kernels to read
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {str(t.layout).replace('torch.', '')}")
     if not torch.compiler.is_compiling():  # traced calls see fake tensors; the eager checks below need real ones
         check_local_memory(name, t)
 
@@ -88,6 +90,16 @@ def sync_check(name: str, value, t: torch.Tensor) -> bool:
     if value is None:
         raise ValueError(f"{name} must be True, False or 'auto', got None")
     return bool(value)  # 0 / 1, numpy bools: their truth value, as before "auto" existed
+
+
+def check_flag(name: str, value) -> bool:
+    """A boolean option: True / False (0 / 1 and numpy bools by their value); anything else is a TypeError, so
+    that a string such as "no" does not pass as True."""
+    if value is True or value is False:
+        return value
+    if type(value).__name__ in ("bool_", "bool") or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def options_key(*values) -> tuple:

@@ -143,6 +143,21 @@ def test_bf16_is_refused_before_any_launch(name, unpatched_interpreter, launches
     assert launches == [], "a kernel was launched before the refusal"
 
 
+def test_bf16_routing_weight_gradient_refused(unpatched_interpreter, launches):
+    """fp32 hidden with bf16 topk_weights: the forward only widens the weights (right as installed); the backward,
+    which would write d_topk_weights in bf16 (truncated by this interpreter), refuses before its first launch."""
+    x, w13, w2, tw, ids = moe_inputs(9, 4, 32, 16, 2, torch.float32, "cpu", seed=3)
+    tw = tw.bfloat16().requires_grad_()
+    out = moe.fused_moe(x, w13, w2, tw, ids)
+    check_against_reference(out, (x, w13, w2, tw.detach(), ids))
+    for dtype in (torch.float16, torch.bfloat16):
+        tma.interpreter_dtype_problems(dtype)  # the probes' own launches, before counting
+    launches.clear()
+    with pytest.raises(tma.UnsupportedError, match="^moe.backward " + BF16_REFUSED):
+        out.sum().backward()
+    assert launches == [], "a kernel was launched before the refusal"
+
+
 def test_fp16_is_right_or_refused(unpatched_interpreter):
     """fp16 under the interpreter as installed: correct against fp64 (LCE loss and grads, fused_moe, matmul)
     when the probe passes it, refused otherwise; never a silent wrong answer."""

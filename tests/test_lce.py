@@ -1086,6 +1086,10 @@ ERRORS = [
         lce.linear_logprobs_entropy),
     Err("logprobs: tma", lambda a: {**a, "tma": "yes"}, ValueError,
         "tma must be one of ('auto', 'always', 'never'), got 'yes'", lce.linear_logprobs_entropy),
+    Err("sparse hidden", lambda a: {**a, "hidden": a["hidden"].to_sparse()}, TypeError,
+        "hidden must be a dense (strided) tensor, got layout sparse_coo"),
+    Err("logprobs: sparse weight", lambda a: {**a, "weight": a["weight"].to_sparse()}, TypeError,
+        "weight must be a dense (strided) tensor, got layout sparse_coo", lce.linear_logprobs_entropy),
 ]
 
 

@@ -299,6 +299,7 @@ def _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_la
     ``HOPPERKERN_CONFIG``). None for every other call, which takes the full path."""
     if (process_group is not None or type(hidden) not in _PLAIN_TENSORS or type(weight) not in _PLAIN_TENSORS
             or type(labels) not in _PLAIN_TENSORS or not hidden.is_cuda
+            or hidden.layout != torch.strided or weight.layout != torch.strided or labels.layout != torch.strided
             or not (check_labels is False or (check_labels.__class__ is str and check_labels == "auto"))):
         return None
     if (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)) \

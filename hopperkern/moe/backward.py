@@ -133,6 +133,10 @@ def moe_backward(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
         _check_saved("pre", pre, (plan.max_rows, 2 * I), dt)
     d_h = d_w13 = d_w2 = None
     interp = _tma.interpreter_active()
+    if interp and need_topk_weights:
+        # d_topk_weights is written in topk_weights' dtype, which may differ from hidden's: the interpreter must
+        # round it right too (UnsupportedError, never a truncated gradient).
+        _tma.check_interpreter(topk_weights.dtype, "moe.backward")
     c1, c2, cw = backward_configs(config, dt, recompute, interp)
     rows = plan.max_rows
     bm, bn, bk = c1.block_m, c1.block_n, c1.block_k

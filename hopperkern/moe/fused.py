@@ -10,7 +10,7 @@ import torch
 
 from .. import tma as _tma
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
-from .._validate import check_same_dtype, options_key, real_tensor, sync_check, tensor_meta, validate_once
+from .._validate import check_flag, check_same_dtype, options_key, real_tensor, sync_check, tensor_meta, validate_once
 from ..tuning import MoeConfig
 from .gemm import ACTIVATIONS
 from .ops import SAVE_NONE, SAVE_PLAN, SAVE_PRE, cached_forward, check_expert_ids, config_to_list, moe_forward_op
@@ -111,6 +111,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         out = cached_forward(hidden, w13, w2, topk_weights, topk_ids, activation, tma, check_ids, deterministic)
         if out is not None:
             return out
+    deterministic, recompute = check_flag("deterministic", deterministic), check_flag("recompute", recompute)
     validate_once((tensor_meta(hidden), tensor_meta(w13), tensor_meta(w2), tensor_meta(topk_weights),
                    tensor_meta(topk_ids), options_key(activation, tma)),
                   lambda: _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma),
