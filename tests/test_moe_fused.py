@@ -257,6 +257,21 @@ def test_persistent_programs_take_several_tiles(mode, flatten, device):
     assert tma.last_decision("moe.gemm2").use["w2"] == (mode == "always")
 
 
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_wide_down_tile_stores_in_column_quarters(mode, device):
+    """A 128 x 256 down tile writes its per-slot rows in four column quarters: H = 320 leaves the second N tile
+    one live quarter and three fully masked ones, dropped slots leave rows of a block dead, and several blocks per
+    expert take the sorted plan. Bitwise equal to a 64-column tile (the same products summed in the same order)
+    and within the fp64 reference's tolerance."""
+    g1 = KernelConfig(block_m=128, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1)
+    wide = KernelConfig(block_m=128, block_n=256, block_k=64, group_m=2, num_warps=8, num_stages=3, flatten=True)
+    narrow = wide.model_copy(update={"block_n": 64, "num_warps": 4})
+    args = make_inputs(150, 4, 320, 64, 2, torch.float16, device, seed=21)
+    out = moe.fused_moe(*args, tma=mode, config=MoeConfig(gemm1=g1, gemm2=wide))
+    check_against_reference(out, args)
+    assert torch.equal(out, moe.fused_moe(*args, tma=mode, config=MoeConfig(gemm1=g1, gemm2=narrow)))
+
+
 def test_programs_per_sm_estimate():
     """Prefill tiles (two 128x128 accumulators, 3 x 48 KiB stages) fit once per SM; small decode tiles several
     times; the estimate never depends on the token count."""

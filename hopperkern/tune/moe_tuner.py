@@ -81,7 +81,7 @@ def candidates(block_m: int, gemm: int) -> list[KernelConfig]:
     under this tile's epilogue), and at block_m 128 one 4-warp tile per GEMM small enough for two programs per
     SM (128 x 64 x 64 with 3 stages for gate/up, a flattened 128 x 128 x 64 with 2 stages for the down GEMM):
     one program's epilogue then runs while the other's MMAs do, which pays where the down GEMM's K (= I) is
-    short; and a flattened 128 x 256 x 64 down tile (255 registers, no spills with the per-slot store; the
+    short; and a flattened 128 x 256 x 64 down tile (195 registers with the per-slot store in column quarters; the
     atomic top-k sum runs it unflattened, see :func:`hopperkern.moe.configs.atomic_config`), which gains most
     where K is short and the output wide (I = 256-768)."""
     if block_m <= 32:
