@@ -307,6 +307,16 @@ def test_atomic_config_fits_the_fp32_epilogue():
     assert moe_configs.smem_bytes(fitted, 2, 1, 4) <= 227 * 1024
 
 
+def test_non_boolean_deterministic_after_a_cached_call(device):
+    """A call with deterministic=True caches its plan; a later call whose deterministic only compares equal to True
+    (1.0) is not served from that cache but checked like a first call (TypeError)."""
+    args = make_inputs(3, 4, 64, 32, 2, torch.float16, device, drop=0.0)
+    want = moe.fused_moe(*args, deterministic=True)
+    torch.testing.assert_close(moe.fused_moe(*args, deterministic=True), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"deterministic must be True or False, got 1.0"):
+        moe.fused_moe(*args, deterministic=1.0)
+
+
 def test_zero_tokens(device):
     x, w13, w2, weights, ids = make_inputs(1, 4, 64, 32, 2, torch.float16, device)
     out = moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])

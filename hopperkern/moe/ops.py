@@ -144,7 +144,8 @@ def cached_forward(hidden, w13, w2, topk_weights, topk_ids, activation, tma, che
     call built: ``out``, or None when there is no such plan here (the caller then validates and takes the full
     path). The weights' storage is checked on every call all the same (:func:`check_local_memory`)."""
     if (type(hidden) not in _PLAIN_TENSORS or type(w13) not in _PLAIN_TENSORS or type(w2) not in _PLAIN_TENSORS
-            or type(topk_weights) not in _PLAIN_TENSORS or type(topk_ids) not in _PLAIN_TENSORS or hidden.is_meta):
+            or type(topk_weights) not in _PLAIN_TENSORS or type(topk_ids) not in _PLAIN_TENSORS or hidden.is_meta
+            or (deterministic is not True and deterministic is not False)):  # 1.0 == True as a key: full path checks
         return None
     try:
         key = plan_key(hidden, w13, w2, topk_weights, topk_ids, activation, tma, deterministic, None, SAVE_NONE)
