@@ -62,6 +62,41 @@ def _exp_sums(e, zv, m_new, NEED_T: tl.constexpr):
 
 
 @triton.jit
+def _tile_stats(z, m, c_ref, labels, col0, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NEED_T: tl.constexpr,
+                NEED_SUMZ: tl.constexpr, PICK_LABEL: tl.constexpr, LABEL_OUT: tl.constexpr, E_REF: tl.constexpr,
+                E_CLAMP: tl.constexpr):
+    """One vocab tile's part of lce_forward_kernel's statistics: (m_new, e = exp(z - m_new), sum e,
+    sum e (z - m_new), the label's logit where the tile holds it, sum z) of the tile's logits ``z``, finite."""
+    if E_REF:
+        m_new = tl.maximum(m, tl.maximum(tl.max(z, 1) - E_CLAMP, c_ref))  # the sum's reference r (see the kernel)
+    else:
+        m_new = tl.maximum(m, tl.max(z, 1))
+    e = tl.exp(z - m_new[:, None])
+    picked = tl.zeros((BLOCK_N,), tl.float32)
+    if PICK_LABEL:
+        # Only the tiles that hold a row's label pay for the compare-select-sum (at 128 rows and 256-column
+        # tiles over V = 128256, about one tile in four): a row-vector test decides for the whole tile.
+        # (The branches yield fresh values, not the loop-carried zl, s, t: triton 3.6's nested-loop fusion
+        # rejects an scf.if that yields a value carried by the flattened loop.)
+        local = labels - col0
+        if tl.max(((local >= 0) & (local < BLOCK_V)).to(tl.int32), 0) != 0:
+            hit = tl.arange(0, BLOCK_V)[None, :] == local[:, None]
+            picked = tl.sum(tl.where(hit, z, 0.0), 1)
+            if LABEL_OUT:
+                tile_s, tile_t = _exp_sums(tl.where(hit, 0.0, e), z, m_new, NEED_T)
+            else:
+                tile_s, tile_t = _exp_sums(e, z, m_new, NEED_T)
+        else:
+            tile_s, tile_t = _exp_sums(e, z, m_new, NEED_T)
+    else:
+        tile_s, tile_t = _exp_sums(e, z, m_new, NEED_T)
+    tile_sumz = tl.zeros((BLOCK_N,), tl.float32)
+    if NEED_SUMZ:
+        tile_sumz = tl.sum(z, 1)
+    return m_new, e, tile_s, tile_t, picked, tile_sumz
+
+
+@triton.jit
 def lce_forward_kernel(
     h_ptr,  # [N, H] fp16/bf16/fp32
     w_ptr,  # [V, H] same dtype
@@ -150,12 +185,17 @@ def lce_forward_kernel(
     t = tl.zeros((BLOCK_N,), tl.float32)
     sumz = tl.zeros((BLOCK_N,), tl.float32)
     zl = tl.zeros((BLOCK_N,), tl.float32)
+    c_ref = tl.zeros((BLOCK_N,), tl.float32)  # (read only with E_REF, labels only with PICK_LABEL)
+    labels = tl.zeros((BLOCK_N,), tl.int32)
     if E_REF:
         c_ref = tl.load(mt_ptr + rows, mask=row_ok, other=0.0) + E_OFFSET
     if PICK_LABEL:
         # An ignored or out-of-range label picks nothing that matters: the combine kernel turns a label outside
-        # [0, V) into NaN. So the labels can be narrowed to int32 (fewer registers in the hot loop).
-        labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+        # [0, V) into NaN. So the labels can be narrowed to int32 (fewer registers in the hot loop). A label outside
+        # [0, V) (another vocab shard's, for stats_only) picks 0: it is mapped to -1, held by no tile (the vocab
+        # tail's columns >= V hold finite stand-ins, not logits).
+        labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+        labels = tl.where((labels >= 0) & (labels < V), labels, -1).to(tl.int32)
     num_vt = tl.cdiv(V, BLOCK_V)
     vt_begin = split * tiles_per_split
     vt_end = tl.minimum(vt_begin + tiles_per_split, num_vt)
@@ -168,39 +208,32 @@ def lce_forward_kernel(
             # Pointer stores on both paths: a TMA store would stage the fp32 tile in shared memory (128 KB at
             # 128 x 256), beside the operand pipeline's stages, over the sm_90 limit of 227 KB.
             store_2d(z_ptr, z, row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, False)
+        # The statistics of the vocab tail's tile and of a full tile are formed inside the branches, so that only
+        # fresh row vectors and one tile (e) leave them: a branch that yielded the logits twice (masked for the max
+        # and the exponentials, zeroed for the sums) kept two tiles live across the join (255 registers and
+        # spills at 128 x 256 on sm_90).
         if col0 + BLOCK_V > V:
-            # Vocab tail: TMA pads with zeros, which would be logits of 0 (verl #2656): mask them to -inf,
-            # and to 0 where they are summed.
+            # Vocab tail: TMA pads with zeros, which would be logits of 0 (verl #2656). The columns >= V are left
+            # out of the sum of logits and take a finite value at least 200 below every kept logit of their row
+            # (200 + E_CLAMP with E_REF, whose reference may sit E_CLAMP below them): their exponential is exactly
+            # 0 in fp32 and adds nothing to s or t (0 times a finite z - m). One tile stays live, where a -inf mask
+            # for the exponentials and a 0 mask for the sums would keep two.
             col_ok = (col0 + tl.arange(0, BLOCK_V))[None, :] < V
-            z = tl.where(col_ok, z, float("-inf"))
-            zv = tl.where(col_ok, z, 0.0)
+            tail_sumz = tl.zeros((BLOCK_N,), tl.float32)
+            if NEED_SUMZ:
+                tail_sumz = tl.sum(tl.where(col_ok, z, 0.0), 1)
+            row_max = tl.max(tl.where(col_ok, z, float("-inf")), 1)
+            z = tl.where(col_ok, z, (-2.0 * tl.abs(row_max) - (200.0 + E_CLAMP))[:, None])
+            m_new, e, tile_s, tile_t, picked, tile_sumz = _tile_stats(
+                z, m, c_ref, labels, col0, BLOCK_N, BLOCK_V, NEED_T, False, PICK_LABEL, LABEL_OUT, E_REF, E_CLAMP)
+            tile_sumz = tail_sumz
         else:
-            zv = z
-        if E_REF:
-            m_new = tl.maximum(m, tl.maximum(tl.max(z, 1) - E_CLAMP, c_ref))  # the sum's reference r, see above
-        else:
-            m_new = tl.maximum(m, tl.max(z, 1))
+            m_new, e, tile_s, tile_t, picked, tile_sumz = _tile_stats(
+                z, m, c_ref, labels, col0, BLOCK_N, BLOCK_V, NEED_T, NEED_SUMZ, PICK_LABEL, LABEL_OUT, E_REF,
+                E_CLAMP)
         alpha = tl.exp(m - m_new)
-        e = tl.exp(z - m_new[:, None])
         if PICK_LABEL:
-            # Only the tiles that hold a row's label pay for the compare-select-sum (at 128 rows and 256-column
-            # tiles over V = 128256, about one tile in four): a row-vector test decides for the whole tile.
-            # (The branches yield fresh values, not the loop-carried zl, s, t: triton 3.6's nested-loop fusion
-            # rejects an scf.if that yields a value carried by the flattened loop.)
-            local = labels - col0
-            if tl.max(((local >= 0) & (local < BLOCK_V)).to(tl.int32), 0) != 0:
-                hit = tl.arange(0, BLOCK_V)[None, :] == local[:, None]
-                picked = tl.sum(tl.where(hit, zv, 0.0), 1)
-                if LABEL_OUT:
-                    tile_s, tile_t = _exp_sums(tl.where(hit, 0.0, e), zv, m_new, NEED_T)
-                else:
-                    tile_s, tile_t = _exp_sums(e, zv, m_new, NEED_T)
-            else:
-                picked = tl.zeros((BLOCK_N,), tl.float32)
-                tile_s, tile_t = _exp_sums(e, zv, m_new, NEED_T)
             zl += picked
-        else:
-            tile_s, tile_t = _exp_sums(e, zv, m_new, NEED_T)
         if NEED_T:
             # t = sum e (z - m) against the sum's own reference m (see the docstring): moving the reference from m
             # to m_new adds (m - m_new) s to the old terms; s = 0 (no tile yet, m = -inf) adds nothing.
@@ -212,7 +245,7 @@ def lce_forward_kernel(
             if not E_REF:
                 tl.store(mt_ptr + rows.to(tl.int64) * stride_mt + vt, m_new, mask=row_ok)
         if NEED_SUMZ:
-            sumz += tl.sum(zv, 1)
+            sumz += tile_sumz
         m = m_new
 
     out = split.to(tl.int64) * N + rows
