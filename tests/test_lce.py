@@ -691,6 +691,7 @@ def test_label_kernel_shard_local_labels(mode, dtype, monkeypatch):
     labels[3::4] = -7  # held by another shard
     labels[5::9] = -100
     labels[6], labels[10] = V, V + 3  # outside the shard above it (unchecked labels reach the kernels so)
+    labels[11] = 2**32 + 1  # column 1 if narrowed to int32 before the range check
     opts = launch.LceOptions(tma=mode, ignore_index=-100, softcap=3.0, temperature=0.7)
     cfg = KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
     zl = {}
