@@ -65,9 +65,10 @@ GRAD_PATHS = ("auto", "3pass", "4pass")
 MIN_HIDDEN_3PASS = 896
 # The mixed path (stored_rows) was measured from H = 2304 only: below this it is not taken.
 MIN_HIDDEN_MIXED = 2048
-# The forward that stores its exponentials and entropy terms at 128 x 256 tiles spills 690-750 registers per
-# thread on sm_90 (benchmarks/compile_lce_sm90.py, store=et); 128 x 128 x 64 with 8 warps and 4 stages spills none.
-# Measured on the H200 (bf16, one run), forward + backward / 4G with those tiles instead of the tuned 128 x 256:
+# The forward that stores its exponentials and entropy terms runs at 128 x 128 x 64 tiles with 8 warps and 4 stages
+# from this many tokens. Measured on the H200 (bf16, one run) against the tuned 128 x 256 tiles when those spilled
+# 690-750 bytes per thread (they spill none in the shipped kernel: 243 registers per thread on sm_90,
+# benchmarks/compile_lce_sm90.py, store=et), forward + backward / 4G with the narrower tiles instead of the wider:
 # 0.90 vs 0.94 at 8192 x 4096, 0.91 vs 0.94 at 16384 x 3584, 0.97 vs 1.01 at 8192 x 2304, level at 32768 x 4096,
 # but 0.85 vs 0.82 at 1937 x 3584: taken from this many tokens.
 MIN_TOKENS_NARROW_TILES = 4096

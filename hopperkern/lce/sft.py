@@ -267,8 +267,8 @@ def store_e_config(cfg: KernelConfig, dtype: torch.dtype, device) -> KernelConfi
     """The forward's launch config when it stores the exponentials (STORE_E) on ``device``: where the label's
     logit of 128 x 256 tiles comes from its own kernel (:func:`.launch.label_by_mma`: 16-bit inputs on a Hopper
     GPU), tiles narrower than that are widened to 128 x 256 x 64 with 8 warps and 3 stages (group and flatten
-    kept), at which the forward spills no registers (191 per thread on sm_90: ``benchmarks/compile_lce_sm90.py``).
-    The tuned tiles serve the no-grad forward, whose entropy sums do spill at that width. Measured on the H200
+    kept), at which the forward spills no registers (231 per thread on sm_90: ``benchmarks/compile_lce_sm90.py``).
+    The tuned tiles serve the no-grad forward. Measured on the H200
     (whole SFT steps, tuned 128 x 128 forward tiles with the in-tile pick against these, 4 alternating rounds):
     0.967, 0.973 and 0.982 x the time for the chunked variant at 8192 x 2304 x 256000, 16384 x 3584 x 152064 and
     32768 x 4096 x 128256, 0.96 to 0.98 and 0.93 to 0.96 for the 3-pass path at 1937 x 3584 x 152064 and
