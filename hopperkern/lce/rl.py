@@ -70,7 +70,8 @@ MIN_HIDDEN_MIXED = 2048
 # 690-750 bytes per thread (they spill none in the shipped kernel: 243 registers per thread on sm_90,
 # benchmarks/compile_lce_sm90.py, store=et), forward + backward / 4G with the narrower tiles instead of the wider:
 # 0.90 vs 0.94 at 8192 x 4096, 0.91 vs 0.94 at 16384 x 3584, 0.97 vs 1.01 at 8192 x 2304, level at 32768 x 4096,
-# but 0.85 vs 0.82 at 1937 x 3584: taken from this many tokens.
+# but 0.85 vs 0.82 at 1937 x 3584: taken from this many tokens. With the wider tiles spilling none, a same-run A/B
+# at 8192 x 4096 (H200, two rounds) gave 0.824 and 0.833 x 4G at 128 x 256 against 0.838 and 0.841 at 128 x 128.
 MIN_TOKENS_NARROW_TILES = 4096
 # The mixed path (:func:`stored_rows`) stores whole row blocks of tokens, and at least this many: a choice, not a
 # measurement (each stored token saves ~1/4 of its recomputed logits, and the second forward launch and the split
