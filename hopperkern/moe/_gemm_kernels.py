@@ -152,6 +152,12 @@ def _gate_up_kernel(
                      BLOCK_M, BLOCK_N, PU_TMA)
 
 
+@triton.jit
+def _store_cols(rows, vals, cols, live, H, stride_on):
+    """Store ``vals`` [R, C] at row pointers ``rows`` [R, 1] and columns ``cols`` [C]: live rows, columns < H."""
+    tl.store(rows + cols[None, :] * stride_on, vals, mask=live[:, None] & (cols[None, :] < H))
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _down_kernel(
     y_ptr,            # [max_blocks*BLOCK_M, I] sorted intermediate rows (unit inner stride)
@@ -218,22 +224,15 @@ def _down_kernel(
             q0, q1 = tl.split(tl.permute(tl.reshape(lo, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
             q2, q3 = tl.split(tl.permute(tl.reshape(hi, (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
             rows = out_ptr + slot[:, None].to(tl.int64) * stride_om
-            cols = n0 + tl.arange(0, BLOCK_N // 4)
-            tl.store(rows + cols[None, :] * stride_on, q0.to(out_ptr.dtype.element_ty),
-                     mask=live[:, None] & (cols[None, :] < H))
-            cols += BLOCK_N // 4
-            tl.store(rows + cols[None, :] * stride_on, q1.to(out_ptr.dtype.element_ty),
-                     mask=live[:, None] & (cols[None, :] < H))
-            cols += BLOCK_N // 4
-            tl.store(rows + cols[None, :] * stride_on, q2.to(out_ptr.dtype.element_ty),
-                     mask=live[:, None] & (cols[None, :] < H))
-            cols += BLOCK_N // 4
-            tl.store(rows + cols[None, :] * stride_on, q3.to(out_ptr.dtype.element_ty),
-                     mask=live[:, None] & (cols[None, :] < H))
+            quarter = n0 + tl.arange(0, BLOCK_N // 4)
+            dt = out_ptr.dtype.element_ty
+            _store_cols(rows, q0.to(dt), quarter, live, H, stride_on)
+            _store_cols(rows, q1.to(dt), quarter + BLOCK_N // 4, live, H, stride_on)
+            _store_cols(rows, q2.to(dt), quarter + BLOCK_N // 2, live, H, stride_on)
+            _store_cols(rows, q3.to(dt), quarter + 3 * (BLOCK_N // 4), live, H, stride_on)
         else:
-            cols = n0 + tl.arange(0, BLOCK_N)
-            ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < H))
+            _store_cols(out_ptr + slot[:, None].to(tl.int64) * stride_om, acc.to(out_ptr.dtype.element_ty),
+                        n0 + tl.arange(0, BLOCK_N), live, H, stride_on)
 
 
 @triton.jit(do_not_specialize=["E", "top_k", "num_rows", "num_tokens"])
