@@ -74,15 +74,39 @@ def main() -> int:
                           HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False, NUM_PROGRAMS=132, FLATTEN=fl,
                           H_TMA=tma, W_TMA=tma, D_TMA=tma, DOT_PRECISION="tf32"),
                      w, st)
+    # Softcap (launch.softcap_mode: 1 the exp form of tanh, 2 with its series near 0) in the no-grad forward and
+    # the 4-pass backward at the widest tiles, TMA, flattened.
+    bn, bv, bk, w, st = tiles[0]
+    for mode in (1, 2):
+        comp(f"lce_forward  {bn}x{bv}x{bk} w{w} s{st} tma=1 flatten=1 store=- softcap={mode}",
+             K.lce_forward_kernel,
+             dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", m_ptr="fp32", s_ptr="fp32",
+                  t_ptr="fp32", sumz_ptr="fp32", zl_ptr="fp32", z_ptr="fp32", mt_ptr="fp32", N=N, V=V, H=H, S=17,
+                  tiles_per_split=30, stride_hn=H, stride_hk=1, stride_wv=H, stride_wk=1, stride_zn=V,
+                  stride_mt=1024, softcap=30.0, inv_temp=1.0),
+             dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=mode,
+                  NEED_T=True, NEED_SUMZ=False, FLATTEN=True, H_TMA=True, W_TMA=True,
+                  DOT_PRECISION="tf32", PICK_LABEL=False, LABEL_OUT=False, STORE_Z=False, STORE_E=False,
+                  E_TMA=False, E_REF=False, E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP),
+             w, st)
+        comp(f"lce_dlogits  {bn}x{bv}x{bk} w{w} s{st} tma=1 flatten=1 softcap={mode}", K.lce_dlogits_kernel,
+             dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32",
+                  gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", d_ptr="bf16", N=N, V=V, V_total=V, H=H,
+                  col_begin=0, ncols=8192, stride_hn=H, stride_hk=1, stride_wv=H, stride_wk=1, stride_dn=8192,
+                  ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=30.0, inv_temp=1.0),
+             dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=16, HAS_BIAS=False, SOFTCAP=mode, HAS_GL=False,
+                  HAS_GP=True, HAS_GE=True, HAS_GZ=False, NUM_PROGRAMS=132, FLATTEN=True, H_TMA=True, W_TMA=True,
+                  D_TMA=True, DOT_PRECISION="tf32"),
+             w, st)
     # lce_label_mma_kernel in its shipped launch (launch._LABEL_MMA_*), at the forward's K steps.
     for bk in (64, 128):
         for tma in (False, True):
-            for softcap in (False, True):
+            for softcap in (0, 1, 2):
                 comp(f"lce_label_mma {L._LABEL_MMA_ROWS}x{bk} w{L._LABEL_MMA_WARPS} s{L._LABEL_MMA_STAGES} "
-                     f"tma={int(tma)} softcap={int(softcap)}", K.lce_label_mma_kernel,
+                     f"tma={int(tma)} softcap={softcap}", K.lce_label_mma_kernel,
                      dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", zlab_ptr="fp32", N=N, V=V, H=H,
                           stride_hn=H, stride_hk=1, stride_wv=H, stride_wk=1, softcap=30.0, inv_temp=1.0),
-                     dict(BLOCK_N=L._LABEL_MMA_ROWS, BLOCK_K=bk, HAS_BIAS=softcap, SOFTCAP=softcap, H_TMA=tma,
+                     dict(BLOCK_N=L._LABEL_MMA_ROWS, BLOCK_K=bk, HAS_BIAS=bool(softcap), SOFTCAP=softcap, H_TMA=tma,
                           DOT_PRECISION="tf32"), L._LABEL_MMA_WARPS, L._LABEL_MMA_STAGES)
     for softcap in (False, True):
         comp(f"lce_onehot   softcap={int(softcap)}", K.lce_onehot_kernel,

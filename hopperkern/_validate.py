@@ -155,12 +155,21 @@ def check_same_device(tensors: dict) -> None:
         raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
-def check_float(name: str, value, *, low=None, high=None, low_open=False) -> float:
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is a bool (TypeError otherwise: a truthy string or number is not taken for True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_float(name: str, value, *, low=None, high=None, low_open=False, finite=False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     v = float(value)
     if v != v:
         raise ValueError(f"{name} must not be NaN")
+    if finite and v in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
     if low is not None and (v <= low if low_open else v < low):
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and v > high:

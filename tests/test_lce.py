@@ -1059,7 +1059,14 @@ ERRORS = [
         "hidden must have at least 1 dim [..., H], got shape ()"),
     Err("reduction", lambda a: {**a, "reduction": "avg"}, ValueError,
         "reduction must be one of ('none', 'mean', 'sum'), got 'avg'"),
+    Err("reduction None", lambda a: {**a, "reduction": None}, ValueError,
+        "reduction must be one of ('none', 'mean', 'sum'), got None"),
     Err("temperature 0", lambda a: {**a, "temperature": 0.0}, ValueError, "temperature must be > 0.0, got 0.0"),
+    Err("temperature below fp32's reciprocal range", lambda a: {**a, "temperature": 1e-300}, ValueError,
+        "temperature must be at least 2.939e-39 (the kernels scale by its reciprocal in fp32), got 1e-300"),
+    Err("softcap inf", lambda a: {**a, "softcap": float("inf")}, ValueError,
+        "softcap must be finite, got inf (pass softcap=None for no softcap)"),
+    Err("z_loss inf", lambda a: {**a, "z_loss": float("inf")}, ValueError, "z_loss must be finite, got inf"),
     Err("temperature < 0", lambda a: {**a, "temperature": -1}, ValueError, "temperature must be > 0.0, got -1"),
     Err("temperature NaN", lambda a: {**a, "temperature": float("nan")}, ValueError,
         "temperature must not be NaN"),
@@ -1082,6 +1089,8 @@ ERRORS = [
         "labels must be int32 or int64, got float32", lce.linear_logprobs_entropy),
     Err("logprobs: temperature", lambda a: {**a, "temperature": 0}, ValueError,
         "temperature must be > 0.0, got 0", lce.linear_logprobs_entropy),
+    Err("logprobs: tiny temperature", lambda a: {**a, "temperature": 1e-40}, ValueError,
+        "temperature must be at least 2.939e-39", lce.linear_logprobs_entropy),
     Err("logprobs: H mismatch", lambda a: {**a, "weight": a["weight"][:, :-1]}, ValueError,
         f"hidden must have last dim {H_S - 1} (weight.shape[1]), got shape ({N_S}, {H_S})",
         lce.linear_logprobs_entropy),
@@ -1252,3 +1261,27 @@ def test_autocast_bf16(mode):
     assert_no_worse("loss", loss, base, exact)
     for name, g, b, e in zip(("d_hidden", "d_weight", "d_bias"), grads, base_grads, exact_grads):
         assert_no_worse(name, g, b, e)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("softcap", [30.0, 33.0, 1e4, 1e12])
+@pytest.mark.parametrize("sft_path", ["4pass", "3pass"])
+def test_softcap_far_above_the_logits(mode, softcap, sft_path):
+    """A softcap far above the logits (up to 1e12: all but no cap) keeps the loss, d_hidden and d_weight at fp32
+    precision against fp64: tanh's exp form cancels near 0 (an error of ~1e-7 x
+    softcap in each logit: at 1e4 the loss was 9e-5 off), so softcaps above launch.EXACT_TANH_SOFTCAP take its
+    series there. 30 runs the exp form (launch.softcap_mode 1), 33 and up the series (mode 2)."""
+    assert launch.softcap_mode(softcap) == (1 if softcap <= launch.EXACT_TANH_SOFTCAP else 2)
+    g = torch.Generator().manual_seed(7)
+    N, H, V = 37, 40, 203
+    hidden = torch.randn(N, H, generator=g).to(DEVICE)
+    weight = (torch.randn(V, H, generator=g) * 0.3).to(DEVICE)
+    labels = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = lce.linear_cross_entropy(h, w, labels, softcap=softcap, tma=mode, sft_path=sft_path, reduction="sum")
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want = ref.linear_cross_entropy(hd, wd, labels, softcap=softcap, reduction="sum")
+    want_dh, want_dw = torch.autograd.grad(want, (hd, wd))
+    assert rel_err(loss, want) <= FP32_RTOL
+    assert rel_err(dh, want_dh) <= FP32_RTOL and rel_err(dw, want_dw) <= FP32_RTOL

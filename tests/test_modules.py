@@ -123,6 +123,9 @@ LCE_ERRORS = [
     (lce.LinearCrossEntropyLoss, dict(label_smoothing=1.5), ValueError, "label_smoothing must be <= 1.0, got 1.5"),
     (lce.LinearCrossEntropyLoss, dict(z_loss=-1.0), ValueError, "z_loss must be >= 0.0, got -1.0"),
     (lce.LinearCrossEntropyLoss, dict(softcap=0.0), ValueError, "softcap must be > 0.0, got 0.0"),
+    (lce.LinearCrossEntropyLoss, dict(softcap=float("inf")), ValueError, "softcap must be finite, got inf"),
+    (lce.LinearCrossEntropyLoss, dict(z_loss=float("inf")), ValueError, "z_loss must be finite, got inf"),
+    (lce.LinearLogprobsEntropy, dict(temperature=1e-300), ValueError, "temperature must be at least 2.939e-39"),
     (lce.LinearCrossEntropyLoss, dict(temperature=0), ValueError, "temperature must be > 0.0, got 0"),
     (lce.LinearCrossEntropyLoss, dict(tma="fast"), ValueError, r"tma must be one of \('auto', 'always', 'never'\)"),
     (lce.LinearCrossEntropyLoss, dict(check_labels="yes"), ValueError,
@@ -327,6 +330,7 @@ BLOCK_ERRORS = [
     (dict(renormalize=1), TypeError, "renormalize must be a bool, got int"),
     (dict(correction_bias=torch.zeros(4)), TypeError, "correction_bias must be a bool, got Tensor"),
     (dict(scale="2"), TypeError, "scale must be a number, got str"),
+    (dict(scale=float("-inf")), ValueError, "scale must be finite, got -inf"),
     (dict(tma="yes"), ValueError, r"tma must be one of \('auto', 'always', 'never'\)"),
     (dict(dtype=torch.float64), TypeError, "dtype must be float16 or bfloat16 or float32, got torch.float64"),
 ]

@@ -114,6 +114,11 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
         bias: optional [V], weight's dtype.
         reduction: "mean" (divides by kept tokens; all ignored -> 0.0 with zero grads), "sum" or "none"
             (labels.shape, 0 at ignored tokens).
+        softcap: None or a finite number > 0. Up to ``launch.EXACT_TANH_SOFTCAP`` (32; Gemma 2's 30) tanh is
+            formed as 1 - 2 / (e^2x + 1), ~1e-7 x softcap absolute error in each logit; above it, with its series
+            near 0 as well (a few ulp of each logit however small; more registers, a slower kernel).
+        temperature: > 0 (infinity: the uniform limit), at least 2.94e-39 so that 1 / temperature is an fp32
+            number. label_smoothing: in [0, 1]. z_loss: finite, >= 0.
         tma: "auto" | "always" | "never" (``HOPPERKERN_TMA`` overrides).
         check_labels: "auto" (default): no host sync on a GPU; a kept label outside [0, V) makes its token's
             loss, log-prob, entropy and gradients NaN (so the reduced loss too), never a finite wrong number;
@@ -218,7 +223,9 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     is O(N) (reference / old-policy log-prob passes). A differentiable call takes the label's logit from the
     same tiles as the log-sum-exp (so the backward's p - 1 keeps full precision for confident predictions); a
     no-grad call takes it from a cheaper dot product: its log-probs agree with a differentiable call's to fp32
-    rounding (~1e-6), not bit for bit.
+    rounding (~1e-6), not bit for bit. Its entropies, whose sums then keep the label's term, are within ~1e-7 of
+    the exact ones, absolute: relative to a tiny entropy (a confident prediction, 1 - p ~ 1e-7) a few per cent,
+    where the differentiable call's fp64 combine stays exact.
 
     ``check_labels``: as for :func:`linear_cross_entropy`; by default ("auto") no host sync on a GPU, and a kept
     label outside [0, V) gives its token NaN log-prob and entropy (and NaN gradients).

@@ -91,10 +91,48 @@ class LceOptions:
         return 1.0 / self.temperature
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+_NO_REDUCTION = object()  # validate_inputs' reduction for ops that take none (log-probs and entropies)
+
+
+# Softcaps up to this value (Gemma 2's and Grok-1's 30) form tanh as 1 - 2 / (e^2x + 1), whose absolute error near 0,
+# ~1e-7 x softcap in the final logit, is that of the logits' own fp32 rounding where they reach the cap's scale
+# (with logits of ~1 at softcap 30, d_hidden's error against fp64 is 1.5 x fp32 PyTorch's, 3 x at 64). Larger ones
+# take tanh's series near 0 (SOFTCAP == 2 in the kernels: nine more operations per logit) so that the error stays
+# within a few ulp of the logit however far below the cap the logits lie. That costs registers (sm_90, 128 x 256 x 64,
+# TMA, compile_lce_sm90): the no-grad forward 255 instead of 192, the 4-pass backward's pass 688 bytes of spills
+# instead of 172; not timed on a GPU.
+EXACT_TANH_SOFTCAP = 32.0
+
+
+def softcap_mode(softcap) -> int:
+    """The kernels' SOFTCAP constexpr: 0 none, 1 the exp form of tanh, 2 with its series near 0."""
+    if not softcap:
+        return 0
+    return 1 if softcap <= EXACT_TANH_SOFTCAP else 2
+
+
+def check_scalar_options(*, label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0) -> None:
+    """The numeric options of the LCE ops (ValueError / TypeError): label_smoothing in [0, 1]; z_loss finite and
+    >= 0; softcap None or finite and > 0 (an infinite one is no softcap: pass None); temperature > 0 with a
+    reciprocal finite in fp32 (the kernels scale by it), infinity allowed (the uniform limit)."""
+    check_float("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    check_float("z_loss", z_loss, low=0.0, finite=True)
+    check_float("temperature", temperature, low=0.0, low_open=True)
+    if 1.0 / float(temperature) > _FP32_MAX:
+        raise ValueError(f"temperature must be at least {1.0 / _FP32_MAX:.4g} (the kernels scale by its reciprocal "
+                         f"in fp32), got {temperature}")
+    if softcap is not None:
+        if softcap == float("inf"):
+            raise ValueError("softcap must be finite, got inf (pass softcap=None for no softcap)")
+        check_float("softcap", softcap, low=0.0, low_open=True)
+
+
 def validate_inputs(hidden, weight, labels, bias, *, ignore_index, label_smoothing=0.0, z_loss=0.0, softcap=None,
-                    temperature=1.0, tma="auto", reduction=None, vocab_shard=False) -> None:
+                    temperature=1.0, tma="auto", reduction=_NO_REDUCTION, vocab_shard=False) -> None:
     """Check dtypes, shapes and options before anything is launched (TypeError / ValueError). ``vocab_shard``:
-    ``weight`` is one rank's shard of a vocab-parallel head, which may have no rows."""
+    ``weight`` is one rank's shard of a vocab-parallel head, which may have no rows. ``reduction``: checked
+    unless left out (an op without one)."""
     check_dtype("hidden", hidden, FLOAT_DTYPES)
     check_dtype("weight", weight, FLOAT_DTYPES)
     check_same_dtype("weight", weight, "hidden", hidden)
@@ -123,12 +161,8 @@ def validate_inputs(hidden, weight, labels, bias, *, ignore_index, label_smoothi
     if not bounds.min <= ignore_index <= bounds.max:
         raise ValueError(f"ignore_index must be within the range of the labels' dtype {labels.dtype} "
                          f"[{bounds.min}, {bounds.max}], got {ignore_index}")
-    check_float("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    check_float("z_loss", z_loss, low=0.0)
-    check_float("temperature", temperature, low=0.0, low_open=True)
-    if softcap is not None:
-        check_float("softcap", softcap, low=0.0, low_open=True)
-    if reduction is not None:
+    check_scalar_options(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, temperature=temperature)
+    if reduction is not _NO_REDUCTION:
         check_choice("reduction", reduction, ("none", "mean", "sum"))
     _tma.resolve_mode(tma)  # ValueError for an unknown mode, before any launch
 
@@ -326,14 +360,14 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         # The tiles' own products (same K step, same dot precision) without their compare-select-sum.
         plan.label = Launch(
             lce_label_mma_kernel, (cdiv(N, _LABEL_MMA_ROWS),), *label_args,
-            BLOCK_N=_LABEL_MMA_ROWS, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
+            BLOCK_N=_LABEL_MMA_ROWS, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias, SOFTCAP=softcap_mode(opts.softcap),
             H_TMA=d["hidden"], DOT_PRECISION=dot_precision(hidden2d.dtype),
             num_warps=_LABEL_MMA_WARPS, num_stages=_LABEL_MMA_STAGES,
         )
     else:
         plan.label = Launch(
             lce_label_logit_kernel, (cdiv(N, _ROW_BLOCK),), *label_args,
-            BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap),
+            BLOCK_N=_ROW_BLOCK, BLOCK_K=_ROW_BLOCK_K, HAS_BIAS=has_bias, SOFTCAP=softcap_mode(opts.softcap),
         )
     z_arg, mt_arg = _store_args(z_out, e_out) or (one, one)
     e_ref = store_e and mt_arg.dim() == 1
@@ -347,7 +381,7 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         z_arg.stride(0) if store_z or store_e else 0, mt_arg.stride(0) if store_e and not e_ref else 0, softcap,
         opts.inv_temp,
         BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
-        HAS_BIAS=has_bias, SOFTCAP=bool(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
+        HAS_BIAS=has_bias, SOFTCAP=softcap_mode(opts.softcap), NEED_T=need_entropy, NEED_SUMZ=need_sumz,
         FLATTEN=cfg.flatten, H_TMA=d["hidden"], W_TMA=d["weight"], DOT_PRECISION=dot_precision(hidden2d.dtype),
         PICK_LABEL=in_tiles, LABEL_OUT=label_out, STORE_Z=store_z, STORE_E=store_e,
         E_TMA=d.use.get("exp_logits", False),
@@ -802,14 +836,14 @@ def _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts: LceOptions
             hidden2d, weight, b_arg, labels1d, lse, lse, lse, lse, lse, lse, dbuf, N, V, V_total, H, col_begin,
             ncols, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
             BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
-            HAS_BIAS=bias is not None, SOFTCAP=bool(opts.softcap), **has, NUM_PROGRAMS=progs, FLATTEN=cfg.flatten,
+            HAS_BIAS=bias is not None, SOFTCAP=softcap_mode(opts.softcap), **has, NUM_PROGRAMS=progs, FLATTEN=cfg.flatten,
             H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=dot_precision(dt),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         onehot = Launch(
             lce_onehot_kernel, (cdiv(N, _COMBINE_BLOCK),),
             labels1d, lse, lse, lse, lse, lse, lse, lse, dbuf, N, V_total, col_begin, ncols,
-            dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=bool(opts.softcap), **has,
+            dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=softcap_mode(opts.softcap), **has,
         )
         plan.slices.append((col_begin, ncols, dlogits, onehot))
     return plan

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validate import check_choice, check_float, sync_check
+from .._validate import check_choice, sync_check
 from ..tma import TMA_MODES
 from .api import linear_cross_entropy, linear_logprobs_entropy
+from .launch import check_scalar_options
 from .rl import GRAD_PATHS
 from .sft import check_sft_path
 
@@ -24,7 +25,7 @@ def _check_common(ignore_index, temperature, tma, check_labels) -> None:
     """The options both modules hold, checked as the functions check them at call time."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    check_float("temperature", temperature, low=0.0, low_open=True)
+    check_scalar_options(temperature=temperature)
     check_choice("tma", tma, TMA_MODES)
     sync_check("check_labels", check_labels, torch.empty(0))  # as the functions check it (ValueError)
 
@@ -57,10 +58,7 @@ class LinearCrossEntropyLoss(nn.Module):
         _check_common(ignore_index, temperature, tma, check_labels)
         check_choice("reduction", reduction, REDUCTIONS)
         check_sft_path(sft_path, reduction)
-        check_float("label_smoothing", label_smoothing, low=0.0, high=1.0)
-        check_float("z_loss", z_loss, low=0.0)
-        if softcap is not None:
-            check_float("softcap", softcap, low=0.0, low_open=True)
+        check_scalar_options(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing

@@ -89,7 +89,7 @@ from ._kernels import (lce_dweight_kernel, lce_label_logit_kernel, lce_label_sum
                        lce_loss_total_kernel, lce_row_scale_kernel, lce_sft_dhidden_kernel, lce_sft_dlogits_kernel,
                        lce_sft_rows_kernel, lce_sft_rowscale_kernel, lce_split_finalize_kernel)
 from .launch import (_ROW_BLOCK, _ROW_BLOCK_K, E_CLAMP, E_OFFSET, LceOptions, _acc_mm_f32, _sm_count, fast_mm_f32,
-                     label_by_mma, lce_forward, pick_config)
+                     label_by_mma, lce_forward, pick_config, softcap_mode)
 
 __all__ = ["SFT_PATHS", "EXTRA_BUDGET", "MIN_TOKENS_3PASS", "MIN_CHUNK_TOKENS", "chunk_tokens", "pick_path",
            "balanced_chunk", "lce_sft_chunked_forward", "lce_sft_chunked_backward", "MIN_TOKENS_FP32_LOGITS", "LOGITS_CHUNK_BUDGET", "LOGITS_CHUNK_MAX", "chunk_bytes", "DW_SLICE_BUDGET", "padded_cols", "chunk_rows",
@@ -448,7 +448,7 @@ def _dlogits_launch(tensors, rows: int, V: int, opts: LceOptions):
                     auto_pointer=_DLOGITS_POINTER)
     launch = Launch(lce_sft_dlogits_kernel, (cdiv(rows, bn), cdiv(V, bv)), *tensors, rows, V, z.stride(0),
                     out.stride(0), *_sft_scalars(opts), float(opts.softcap or 1.0), opts.inv_temp,
-                    BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=bool(opts.softcap), Z_TMA=d["logits"], D_TMA=d["dlogits"],
+                    BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=softcap_mode(opts.softcap), Z_TMA=d["logits"], D_TMA=d["dlogits"],
                     num_warps=DLOGITS_WARPS)
     return launch, d
 

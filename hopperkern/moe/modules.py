@@ -37,7 +37,7 @@ import math
 import torch
 from torch import nn
 
-from .._validate import FLOAT_DTYPES, check_choice, check_float, check_tensor
+from .._validate import FLOAT_DTYPES, check_bool, check_choice, check_float, check_tensor
 from ..tma import TMA_MODES
 from .fused import fused_moe
 from .gemm import ACTIVATIONS
@@ -56,12 +56,6 @@ _ROUTER_KEY = "gate.weight"
 _BIAS_KEY = "gate.e_score_correction_bias"
 LAYOUTS = (*_PER_EXPERT_KEYS, "stacked")
 _MAX_LISTED_KEYS = 4
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
 
 
 def _checked(label: str, t, shape: tuple[int, ...], dims: str) -> torch.Tensor:
@@ -115,14 +109,14 @@ class MoEBlock(nn.Module):
         check_choice("tma", tma, TMA_MODES)
         for name, value in (("renormalize", renormalize), ("correction_bias", correction_bias),
                             ("deterministic", deterministic), ("recompute", recompute)):
-            _check_bool(name, value)
+            check_bool(name, value)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in FLOAT_DTYPES:
             names = " or ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
             raise TypeError(f"dtype must be {names}, got {dtype}")
         self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = H, I, E, top_k
         self.activation, self.scoring, self.renormalize = activation, scoring, renormalize
-        self.num_groups, self.topk_groups, self.scale = num_groups, topk_groups, check_float("scale", scale)
+        self.num_groups, self.topk_groups, self.scale = num_groups, topk_groups, check_float("scale", scale, finite=True)
         self.tma, self.deterministic, self.recompute = tma, deterministic, recompute
 
         self.gate = nn.Linear(H, E, bias=False, device=device, dtype=dtype)

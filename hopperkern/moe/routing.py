@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import FLOAT_DTYPES, check_choice, check_dtype, check_float, check_ndim
+from .._validate import FLOAT_DTYPES, check_bool, check_choice, check_dtype, check_float, check_ndim
 
 __all__ = ["SCORINGS", "route"]
 
@@ -60,7 +60,8 @@ def route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", 
     _check_int("top_k", top_k, 1)
     if top_k > E:
         raise ValueError(f"top_k must be <= the number of experts ({E}), got {top_k}")
-    scale = check_float("scale", scale)
+    check_bool("renormalize", renormalize)
+    scale = check_float("scale", scale, finite=True)
     groups = 1 if num_groups is None else _check_int("num_groups", num_groups, 1)
     if E % groups:
         raise ValueError(f"num_groups must divide the number of experts ({E}), got {groups}")
