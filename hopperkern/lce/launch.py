@@ -836,7 +836,8 @@ def _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts: LceOptions
             hidden2d, weight, b_arg, labels1d, lse, lse, lse, lse, lse, lse, dbuf, N, V, V_total, H, col_begin,
             ncols, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
             BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
-            HAS_BIAS=bias is not None, SOFTCAP=softcap_mode(opts.softcap), **has, NUM_PROGRAMS=progs, FLATTEN=cfg.flatten,
+            HAS_BIAS=bias is not None, SOFTCAP=softcap_mode(opts.softcap), **has, NUM_PROGRAMS=progs,
+            FLATTEN=cfg.flatten,
             H_TMA=d["hidden"], W_TMA=d["weight"], D_TMA=d["dlogits"], DOT_PRECISION=dot_precision(dt),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -116,7 +116,8 @@ class MoEBlock(nn.Module):
             raise TypeError(f"dtype must be {names}, got {dtype}")
         self.hidden_size, self.intermediate_size, self.num_experts, self.top_k = H, I, E, top_k
         self.activation, self.scoring, self.renormalize = activation, scoring, renormalize
-        self.num_groups, self.topk_groups, self.scale = num_groups, topk_groups, check_float("scale", scale, finite=True)
+        self.num_groups, self.topk_groups = num_groups, topk_groups
+        self.scale = check_float("scale", scale, finite=True)
         self.tma, self.deterministic, self.recompute = tma, deterministic, recompute
 
         self.gate = nn.Linear(H, E, bias=False, device=device, dtype=dtype)
