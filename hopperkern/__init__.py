@@ -7,10 +7,10 @@ Submodules load on first attribute access (``hopperkern.lce``) or explicit impor
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "info", "lce", "matmul", "moe", "tma", "tune", "tuning"]
+__all__ = ["__version__", "errors", "info", "lce", "matmul", "moe", "tma", "tune", "tuning"]
 
 
 def __getattr__(name):
-    if name in ("info", "lce", "matmul", "moe", "tma", "tune", "tuning"):
+    if name in ("errors", "info", "lce", "matmul", "moe", "tma", "tune", "tuning"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -112,15 +112,19 @@ def validate_once(key, validate, *fresh) -> None:
     a key holding None, from :func:`tensor_meta`, is never remembered). ``fresh`` names (name, tensor) pairs whose
     memory is checked on every call all the same (:func:`check_local_memory`: a storage freed since, as FSDP does
     to gathered parameters). Validation is a pure function of the metadata, so a remembered key cannot hide an
-    error; it costs a dict lookup instead of tens of checks on an op's hot path."""
+    error; it costs a dict lookup instead of tens of checks on an op's hot path. While torch.compile traces,
+    ``validate()`` runs every time and nothing is remembered: a lookup of a key holding symbolic sizes would pin
+    each size to its value and recompile the graph for every new one."""
+    if torch.compiler.is_compiling():
+        validate()
+        return
     try:
         seen = key in _VALIDATED
     except TypeError:  # an unhashable option value: validate() says what is wrong with it
         seen, key = False, (None,)
     if seen:
-        if not torch.compiler.is_compiling():  # traced calls see fake tensors (see check_tensor)
-            for name, t in fresh:
-                check_local_memory(name, t)
+        for name, t in fresh:
+            check_local_memory(name, t)
         return
     validate()
     if None not in key:

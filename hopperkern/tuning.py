@@ -56,6 +56,8 @@ from typing import Dict, NamedTuple, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from .errors import TuningFileError
+
 __all__ = [
     "SCHEMA_VERSION",
     "device_config",
@@ -78,10 +80,6 @@ __all__ = [
 SCHEMA_VERSION = 1
 TUNER_COMMAND = "python -m hopperkern.tune --out configs/"
 _WARPS = (1, 2, 4, 8, 16)
-
-
-class TuningFileError(ValueError):
-    """A tuning file that cannot be used; the message names the file and the field."""
 
 
 MIN_TILE = 16  # the least tile dim of a KernelConfig: Triton's tl.dot takes K >= 16 on NVIDIA GPUs

@@ -262,13 +262,20 @@ def test_meta_tensors_get_shapes():
 
 
 def test_double_backward_raises():
-    """A second derivative through the LCE raises (it is not implemented) instead of dropping a term: at the
-    backward that asks for a graph (create_graph=True)."""
+    """A second derivative through the LCE or the MoE raises (it is not implemented) instead of dropping a term:
+    at the backward that asks for a graph (create_graph=True)."""
     h, w, y = lce_inputs()
     h.requires_grad_()
     loss = lce.linear_cross_entropy(h, w, y, tma="never")
     with pytest.raises(RuntimeError, match="double backward is not supported"):
         torch.autograd.grad(loss, h, create_graph=True)
+    x, w13, w2, weights, ids = moe_inputs()
+    x.requires_grad_()
+    out = moe.fused_moe(x, w13, w2, weights, ids, tma="never")
+    with pytest.raises(RuntimeError, match="hopperkern.moe: double backward is not supported"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(out.square().sum(), x)  # first order stays available
+    assert g.shape == x.shape and not g.requires_grad
 
 
 def test_launch_checks_dtypes_and_keeps_no_tensors():
@@ -531,6 +538,20 @@ def test_fused_moe_non_tensor_gets_type_error_with_grad_enabled(bad):
     args[bad] = None if bad == "topk_weights" else x.tolist()
     with torch.enable_grad(), pytest.raises(TypeError, match=f"{bad} must be"):
         moe.fused_moe(args["hidden"], args["w13"], args["w2"], args["topk_weights"], args["topk_ids"])
+
+
+@pytest.mark.parametrize("flag", ["recompute", "deterministic"])
+def test_fused_moe_flags_checked_on_the_cached_path(flag, monkeypatch):
+    """Once a validated inference call has built its plan, later calls take the one-lookup path (on a GPU); a
+    flag that is not a bool still gets its TypeError there. The interpreter's plans take that path here."""
+    monkeypatch.setattr(tma.launcher.Plan, "launch_here", lambda self: True)  # a GPU plan on its device says so
+    x, w13, w2, weights, ids = moe_inputs()
+    want = moe.fused_moe(x, w13, w2, weights, ids)
+    got = moe_ops.cached_forward(x, w13, w2, weights, ids, "silu", "auto", "auto", True)
+    assert got is not None and torch.equal(got, want)
+    for bad in ("yes", None, 2):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+            moe.fused_moe(x, w13, w2, weights, ids, **{flag: bad})
 
 
 def test_env_key_follows_a_replaced_environ(monkeypatch):

@@ -290,6 +290,37 @@ def test_compile_fullgraph_training_step(device):
         assert rel_err(a, b) <= FP32_RTOL
 
 
+def test_compile_dynamic_token_counts_one_graph(device):
+    """torch.compile(dynamic=True, fullgraph=True) of fused_moe + backward traces one graph for every token count
+    (the validation cache must not pin symbolic sizes); outputs and gradients equal eager's."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(x, w13, w2, weights, ids):
+        return moe.fused_moe(x, w13, w2, weights, ids, check_ids=False)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    try:
+        for T in (5, 9, 12):
+            x, w13, w2, weights, ids, _, up = make_inputs(Case(T, 4, 32, 16, 2, torch.float32, "silu", "uniform", ""),
+                                                          device, seed=T)
+            got = []
+            for fn in (compiled, step):
+                leaves = [t.clone().requires_grad_() for t in (x, w13, w2, weights)]
+                out = fn(*leaves, ids)
+                out.backward(up)
+                got.append([out, *(t.grad for t in leaves)])
+            for a, b in zip(*got):
+                assert rel_err(a, b) <= FP32_RTOL
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1, f"{len(graphs)} graphs traced for 3 token counts"
+
+
 def test_backward_launcher_checks(device):
     """The public backward launcher refuses a direct plan, a plan of other ids, saved pre-activations of the
     wrong shape and an upstream gradient of the wrong shape; gather_rows refuses a direct plan."""

@@ -259,6 +259,16 @@ def test_decide_always_raises_with_reasons(device, no_tma_env):
     assert all(r.startswith("bad: ") for r in info.value.reasons)
 
 
+def test_errors_module_holds_the_package_exceptions():
+    """hopperkern.errors is where both exceptions live; the layers re-export the same classes."""
+    import hopperkern
+    from hopperkern import errors, tuning
+
+    assert tma.UnsupportedError is errors.UnsupportedError is capmod.UnsupportedError
+    assert tuning.TuningFileError is errors.TuningFileError and issubclass(errors.TuningFileError, ValueError)
+    assert hopperkern.errors is errors
+
+
 @pytest.mark.parametrize("mode", ["yes", "AUTO", "", None, True])
 def test_invalid_mode(mode, device, no_tma_env):
     with pytest.raises(ValueError, match=r"tma must be one of \('auto', 'always', 'never'\), got"):

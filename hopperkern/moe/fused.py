@@ -106,12 +106,13 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """
     # getattr: a non-tensor argument must reach the validation below and its TypeError.
     grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (hidden, w13, w2, topk_weights))
+    recompute = check_flag("recompute", recompute)  # before the cached path, which does not look at it
     if config is None and not grad and not torch.compiler.is_compiling():
         # The common eager inference call: one key lookup finds the plan of an earlier validated call.
         out = cached_forward(hidden, w13, w2, topk_weights, topk_ids, activation, tma, check_ids, deterministic)
         if out is not None:
             return out
-    deterministic, recompute = check_flag("deterministic", deterministic), check_flag("recompute", recompute)
+    deterministic = check_flag("deterministic", deterministic)
     validate_once((tensor_meta(hidden), tensor_meta(w13), tensor_meta(w2), tensor_meta(topk_weights),
                    tensor_meta(topk_ids), options_key(activation, tma)),
                   lambda: _validate(hidden, w13, w2, topk_weights, topk_ids, activation, tma),

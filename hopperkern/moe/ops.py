@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .._host import round_up
-from .._validate import _PLAIN_TENSORS, check_local_memory, sync_check
+from .._validate import _PLAIN_TENSORS, check_local_memory, first_order, sync_check
 from ..tma import decide, interpreter_active, launch_context, record_decision
 from ..tma.launcher import Plan, PlanCache, alignment_key, env_key, launch_state, run_direct, run_steps
 from ..tma.launcher import PIECE_ALIGN, scratch_offsets
@@ -487,6 +487,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@first_order("hopperkern.moe")
 def _backward(ctx, d_out, *_unused):
     needs = [bool(ctx.needs_input_grad[i]) for i in range(4)]
     if d_out is None or not any(needs):

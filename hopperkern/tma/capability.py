@@ -22,6 +22,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..errors import UnsupportedError
+
 __all__ = [
     "Capability",
     "UnsupportedError",
@@ -42,19 +44,6 @@ __all__ = [
     "require_triton",
     "torch_mm_out_dtype",
 ]
-
-
-class UnsupportedError(NotImplementedError):
-    """The inputs are valid, but this machine or this operand cannot run the requested path.
-
-    The message lists every reason and ends with a pointer to ``python -m hopperkern.info``.
-    """
-
-    def __init__(self, what: str, reasons: list[str] | tuple[str, ...]):
-        self.what = what
-        self.reasons = tuple(reasons)
-        lines = "\n".join(f"  - {r}" for r in self.reasons) or "  - (no reason recorded)"
-        super().__init__(f"{what}:\n{lines}\nsee: python -m hopperkern.info")
 
 
 @dataclass(frozen=True)
