@@ -89,7 +89,9 @@ def sync_check(name: str, value, t: torch.Tensor) -> bool:
         raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
     if value is None:
         raise ValueError(f"{name} must be True, False or 'auto', got None")
-    return bool(value)  # 0 / 1, numpy bools: their truth value, as before "auto" existed
+    if type(value).__name__ in ("bool_", "bool") or (type(value) is int and value in (0, 1)):
+        return bool(value)  # 0 / 1, numpy bools: their truth value
+    raise TypeError(f"{name} must be True, False or 'auto', got {value!r}")  # [] or 0.0 must not turn it off
 
 
 def check_flag(name: str, value) -> bool:
@@ -169,7 +171,10 @@ def check_bool(name: str, value) -> bool:
 def check_float(name: str, value, *, low=None, high=None, low_open=False, finite=False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond fp64's range
+        raise ValueError(f"{name} must be finite and representable as a float, got {value}") from None
     if v != v:
         raise ValueError(f"{name} must not be NaN")
     if finite and v in (float("inf"), float("-inf")):

@@ -293,7 +293,8 @@ def test_launch_checks_dtypes_and_keeps_no_tensors():
 
 
 def test_sync_check_modes():
-    """True: always; False: never; "auto": only where no device sync is needed; anything else: ValueError."""
+    """True: always; False: never; "auto": only where no device sync is needed; another string or None:
+    ValueError; a value of another type (0 / 1 and numpy bools aside): TypeError."""
     cpu = torch.zeros(3, dtype=torch.int64)
 
     class OnGpu:
@@ -305,6 +306,9 @@ def test_sync_check_modes():
         with pytest.raises(ValueError, match="check_ids must be True, False or 'auto'"):
             sync_check("check_ids", bad, cpu)
     assert sync_check("check_ids", 1, OnGpu()) and not sync_check("check_ids", 0, cpu)
+    for bad in ([], 0.0, 2, object()):  # no truthiness: an empty list must not turn the check off
+        with pytest.raises(TypeError, match="check_ids must be True, False or 'auto'"):
+            sync_check("check_ids", bad, cpu)
 
 
 def test_auto_checks_raise_on_cpu():

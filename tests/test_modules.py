@@ -137,6 +137,11 @@ LCE_ERRORS = [
     (lce.LinearCrossEntropyLoss, dict(sft_path="3pass", reduction="none"), ValueError,
      r"sft_path must be 'auto' or '4pass' with reduction='none', got '3pass'"),
     (lce.LinearLogprobsEntropy, dict(temperature="hot"), TypeError, "temperature must be a number, got str"),
+    (lce.LinearLogprobsEntropy, dict(temperature=10 ** 400), ValueError,
+     "temperature must be finite and representable as a float"),
+    (lce.LinearCrossEntropyLoss, dict(z_loss=10 ** 400), ValueError, "z_loss must be finite and representable"),
+    (lce.LinearCrossEntropyLoss, dict(check_labels=[]), TypeError,
+     r"check_labels must be True, False or 'auto', got \[\]"),
     (lce.LinearLogprobsEntropy, dict(ignore_index=True), TypeError, "ignore_index must be an int, got bool"),
 ]
 
@@ -147,7 +152,7 @@ def test_lce_module_option_errors(cls, kwargs, exc, match):
         cls(**kwargs)
 
 
-@pytest.mark.parametrize("value", ["yes", None, 1, 0, True, "auto"])
+@pytest.mark.parametrize("value", ["yes", None, 1, 0, True, "auto", [], 0.0])
 def test_lce_modules_take_check_labels_as_the_functions_do(value):
     """A check_labels value the functions refuse, the modules refuse with the same error; one they take (0 and 1
     for their truth value), the modules take."""
@@ -156,8 +161,8 @@ def test_lce_modules_take_check_labels_as_the_functions_do(value):
                     (lce.LinearLogprobsEntropy, lce.linear_logprobs_entropy)):
         try:
             fn(hidden, weight, labels, check_labels=value, tma="never")
-        except ValueError as e:
-            with pytest.raises(ValueError, match=re.escape(str(e))):
+        except (TypeError, ValueError) as e:
+            with pytest.raises(type(e), match=re.escape(str(e))):
                 cls(check_labels=value)
         else:
             cls(check_labels=value)
