@@ -573,25 +573,28 @@ def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
     direct; None where that cannot be (a launch not yet bound, another device current, a launch hook installed,
     a tensor that does not match its binding: the caller then takes :func:`lce_forward`). The loss and LSE rows
     the kernels also write go to the statistics allocation; the two results are slices of one allocation, each
-    128-byte aligned."""
+    128-byte aligned.
+
+    The caller vouches for the three inputs: they match the call ``plan`` was made for in device, dtype and
+    16-byte alignment (the no-grad call key holds all three), so the launches take their addresses unchecked;
+    the callers hold the tensors until this returns."""
     stream = plan.direct_stream((plan.label, plan.forward, plan.combine))
     if stream is None:
         return None
     N = hidden2d.shape[0]
+    h, w, y = hidden2d.data_ptr(), weight.data_ptr(), labels1d.data_ptr()
     base, held, scratch = _direct_allocation(plan, hidden2d.device)  # held until every launch is enqueued
     m, s, t, sumz, zl, loss, lse = (base + offset for offset in plan.stat_at)
-    if not _forward_launches(plan, stream, hidden2d, weight, weight, labels1d, None, m, s, t, sumz, zl, scratch):
+    if not _forward_launches(plan, stream, h, w, w, y, None, m, s, t, sumz, zl, scratch):
         return None
     pitch = round_up(N, PIECE_ALIGN // 4)
     out = torch.empty(pitch + N, dtype=torch.float32, device=hidden2d.device)
     logprob = out.data_ptr()
-    if not plan.combine.direct(stream, (m, s, t, sumz, zl, labels1d, loss, logprob, logprob + 4 * pitch, lse),
+    if not plan.combine.direct(stream, (m, s, t, sumz, zl, y, loss, logprob, logprob + 4 * pitch, lse),
                                scratch[2]):
         return None
     _tma.record_decision(plan.decision)  # once per call, as on the full path (which runs when this returns None)
     return out[:N], out[pitch:]
-
-
 
 
 def _combine_launch(S: int, N: int, S_zl: int, labels1d, V: int, opts: LceOptions, need_entropy: bool,
