@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from .errors import UnsupportedError
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # other subclasses may have no storage to ask about
@@ -92,6 +94,16 @@ def sync_check(name: str, value, t: torch.Tensor) -> bool:
     if type(value).__name__ in ("bool_", "bool") or (type(value) is int and value in (0, 1)):
         return bool(value)  # 0 / 1, numpy bools: their truth value
     raise TypeError(f"{name} must be True, False or 'auto', got {value!r}")  # [] or 0.0 must not turn it off
+
+
+def check_no_transform(op: str) -> None:
+    """UnsupportedError inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...): the kernels take
+    raw device addresses, which batched and gradient-tracking wrappers do not have. One C call (~40 ns) per op
+    call; skipped while torch.compile traces (there the ops are custom ops)."""
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        raise UnsupportedError(op, ["torch.func transforms (vmap, grad, jacrev, jvp, ...) are not supported: the "
+                                    "kernels read raw device memory; call the op on plain tensors (for vmap: on "
+                                    "the batch flattened into rows)"])
 
 
 def check_flag(name: str, value) -> bool:

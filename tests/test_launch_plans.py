@@ -3,6 +3,7 @@ do right: fresh tensors every call, HOPPERKERN_TMA / HOPPERKERN_CONFIG changes, 
 and dtypes. Also the index-check modes (check_labels / check_ids = True | False | "auto")."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -276,6 +277,27 @@ def test_double_backward_raises():
         torch.autograd.grad(out.square().sum(), x, create_graph=True)
     (g,) = torch.autograd.grad(out.square().sum(), x)  # first order stays available
     assert g.shape == x.shape and not g.requires_grad
+
+
+def test_torch_func_transforms_refused():
+    """Inside torch.func.vmap or torch.func.grad every op raises UnsupportedError naming the transform (its
+    wrappers have no device addresses for the kernels), not an internal error of PyTorch; outside, calls work."""
+    h, w, y = lce_inputs()
+    x, w13, w2, weights, ids = moe_inputs()
+    calls = {
+        "lce.linear_cross_entropy": lambda a: lce.linear_cross_entropy(a, w, y[:1].expand(a.shape[0]), tma="never"),
+        "lce.linear_logprobs_entropy": lambda a: lce.linear_logprobs_entropy(a, w, y[:1].expand(a.shape[0]),
+                                                                             tma="never")[0].sum(),
+        "moe.fused_moe": lambda a: moe.fused_moe(a.expand(x.shape[0], -1), w13, w2, weights, ids,
+                                                 tma="never").sum(),
+    }
+    row = {"moe.fused_moe": x[:1], "lce.linear_cross_entropy": h[:2], "lce.linear_logprobs_entropy": h[:2]}
+    for op, fn in calls.items():
+        for transform in (torch.func.vmap, torch.func.grad):
+            arg = row[op].unsqueeze(0) if transform is torch.func.vmap else row[op]
+            with pytest.raises(tma.UnsupportedError, match=re.escape(op) + r":\n  - torch.func transforms"):
+                transform(fn)(arg)
+        assert torch.isfinite(fn(row[op])).all()
 
 
 def test_launch_checks_dtypes_and_keeps_no_tensors():

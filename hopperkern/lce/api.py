@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import _PLAIN_TENSORS, check_local_memory, options_key, real_tensor, sync_check, tensor_meta
-from .._validate import validate_once
+from .._validate import _PLAIN_TENSORS, check_local_memory, check_no_transform, options_key, real_tensor, sync_check
+from .._validate import tensor_meta, validate_once
 from ..tma import launch_context
 from ..tma.launcher import PlanCache, alignment_key, env_key
 from . import rl, sft
@@ -164,6 +164,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100
     :mod:`hopperkern.lce.distributed`. Meant for gloo (CPU tensors) and NCCL (CUDA tensors); tested so far only on
     CPUs with gloo under Triton's interpreter, not yet with NCCL on GPUs.
     """
+    check_no_transform("lce.linear_cross_entropy")
     hidden, weight, bias = _autocast(hidden, weight, bias)
     _validate(process_group, hidden, weight, labels, bias,
               options_key("ce", ignore_index, label_smoothing, z_loss, softcap, temperature, tma, reduction),
@@ -256,6 +257,7 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     (after autocast) and ``process_group`` always take "4pass" ("3pass" raises TypeError and ValueError there).
     No-grad calls run the plain forward either way. See :mod:`hopperkern.lce.rl`.
     """
+    check_no_transform("lce.linear_logprobs_entropy")
     key = _nograd_key(hidden, weight, labels, temperature, ignore_index, tma, check_labels, process_group,
                       grad_path)
     if key is not None:

@@ -10,7 +10,8 @@ import torch
 
 from .. import tma as _tma
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_dtype, check_ndim, check_same_device
-from .._validate import check_flag, check_same_dtype, options_key, real_tensor, sync_check, tensor_meta, validate_once
+from .._validate import check_flag, check_no_transform, check_same_dtype, options_key, real_tensor, sync_check
+from .._validate import tensor_meta, validate_once
 from ..tuning import MoeConfig
 from .gemm import ACTIVATIONS
 from .ops import SAVE_NONE, SAVE_PLAN, SAVE_PRE, cached_forward, check_expert_ids, config_to_list, moe_forward_op
@@ -104,6 +105,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     Inputs are read through their strides (no copies of the weights); TMA needs unit inner stride and 16-byte
     aligned strides, so ``tma="auto"`` falls back to pointer loads for weights that are not.
     """
+    check_no_transform("moe.fused_moe")
     # getattr: a non-tensor argument must reach the validation below and its TypeError.
     grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (hidden, w13, w2, topk_weights))
     recompute = check_flag("recompute", recompute)  # before the cached path, which does not look at it
