@@ -91,9 +91,19 @@ def sync_check(name: str, value, t: torch.Tensor) -> bool:
         raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
     if value is None:
         raise ValueError(f"{name} must be True, False or 'auto', got None")
+    flag = _as_flag(value)
+    if flag is None:  # [] or 0.0 must not turn the check off
+        raise TypeError(f"{name} must be True, False or 'auto', got {value!r}")
+    return flag
+
+
+def _as_flag(value) -> bool | None:
+    """``value`` as a bool where it is one (0 / 1 and numpy bools by their value), else None."""
+    if value is True or value is False:
+        return value
     if type(value).__name__ in ("bool_", "bool") or (type(value) is int and value in (0, 1)):
-        return bool(value)  # 0 / 1, numpy bools: their truth value
-    raise TypeError(f"{name} must be True, False or 'auto', got {value!r}")  # [] or 0.0 must not turn it off
+        return bool(value)
+    return None
 
 
 def check_no_transform(op: str) -> None:
@@ -111,9 +121,10 @@ def check_flag(name: str, value) -> bool:
     that a string such as "no" does not pass as True."""
     if value is True or value is False:
         return value
-    if type(value).__name__ in ("bool_", "bool") or (type(value) is int and value in (0, 1)):
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, got {value!r}")
+    flag = _as_flag(value)
+    if flag is None:
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return flag
 
 
 def options_key(*values) -> tuple:

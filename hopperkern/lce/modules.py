@@ -27,7 +27,7 @@ def _check_common(ignore_index, temperature, tma, check_labels) -> None:
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_scalar_options(temperature=temperature)
     check_choice("tma", tma, TMA_MODES)
-    sync_check("check_labels", check_labels, torch.empty(0))  # as the functions check it (ValueError)
+    sync_check("check_labels", check_labels, torch.empty(0))  # as the functions check it (ValueError, TypeError)
 
 
 class LinearCrossEntropyLoss(nn.Module):
