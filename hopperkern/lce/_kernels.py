@@ -350,7 +350,8 @@ def lce_combine_kernel(
     m_ptr, s_ptr, t_ptr, sumz_ptr,  # [S, N] fp32 partial statistics (lce_forward_kernel's)
     zl_ptr,  # [S_ZL, N] fp32 label logit: per split (0 where the split lacks it), or one row from a label kernel
     labels_ptr,  # [N] int
-    loss_ptr, logprob_ptr, entropy_ptr, lse_ptr,  # [N] fp32 outputs
+    loss_ptr, logprob_ptr, entropy_ptr,  # [N] fp32 outputs
+    lse_ptr,  # [N] fp64 (or fp32) output: the LSE, kept to fp64 for the backward's z - lse (see _load_lse)
     N, V, S, S_ZL, ignore_index, label_smoothing, z_loss,
     BLOCK: tl.constexpr, NEED_T: tl.constexpr, NEED_SUMZ: tl.constexpr, LABEL_OUT: tl.constexpr = False,
 ):
@@ -403,7 +404,8 @@ def lce_combine_kernel(
             t64 += lab_term * dl
     s_safe = tl.where(ok, s64, 1.0)
     log_s = tl.log(s_safe)
-    lse = (mx.to(tl.float64) + log_s).to(tl.float32)
+    lse64 = mx.to(tl.float64) + log_s
+    lse = lse64.to(tl.float32)
     lp_all = tl.minimum(dl - log_s, 0.0).to(tl.float32)
     lp = tl.where(kept, lp_all, 0.0)
     # lse - (1 - eps) z_label = -log p + eps z_label
@@ -416,12 +418,26 @@ def lce_combine_kernel(
     nan = float("nan")
     tl.store(loss_ptr + rows, tl.where(bad, nan, loss), mask=ok)
     tl.store(logprob_ptr + rows, tl.where(bad, nan, lp), mask=ok)
-    tl.store(lse_ptr + rows, tl.where(bad, nan, lse), mask=ok)
+    tl.store(lse_ptr + rows, tl.where(bad, nan, lse64).to(lse_ptr.dtype.element_ty), mask=ok)
     if NEED_T:
         # entropy = lse - E_p[z] = log s - E_p[z - mx], t = s E_p[z - mx] (see lce_forward_kernel's NEED_T)
         tl.store(entropy_ptr + rows, tl.where(bad, nan, (log_s - t64 / s_safe).to(tl.float32)), mask=ok)
     else:
         tl.store(entropy_ptr + rows, tl.zeros((BLOCK,), tl.float32), mask=ok)
+
+
+@triton.jit
+def _load_lse(lse_ptr, rows, mask):
+    """The forward's LSE of ``rows`` as an fp32 pair ``(hi, lo)``, hi + lo = lse: from an fp64 LSE (the forward's
+    own, lce_combine_kernel) lo holds what fp32 rounds off (|lo| <= ulp(hi) / 2, ~2e-6 at 46), from an fp32 one lo
+    is 0. z - lse is then taken as (z - hi) - lo: for a logit near the LSE (a confident prediction) z - hi is exact,
+    and log p keeps its own precision instead of the LSE's rounding, which the entropy term p (entropy + log p)
+    would otherwise carry in full (that sum is small where the prediction is confident). An infinite or NaN LSE
+    gives lo = 0 (hi carries it)."""
+    x = tl.load(lse_ptr + rows, mask=mask, other=0.0)
+    hi = x.to(tl.float32)
+    lo = (x - hi.to(x.dtype)).to(tl.float32)
+    return hi, tl.where(tl.abs(lo) < 1.0, lo, 0.0)
 
 
 @triton.jit
@@ -447,14 +463,14 @@ def _dz(p, z, zc, a_t, b_t, d_t, softcap, inv_temp, SOFTCAP: tl.constexpr):
 def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr, ignore_index,
                       label_smoothing, z_loss, V_total, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
                       HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr):
-    """Per-token ``(labels, lse, A, B, A + C, D)`` of dz = p (A + B (z - lse)) + C [j == label] + D (see
-    lce_dlogits_kernel). ``V_total`` is the size of the whole vocabulary, over which label smoothing spreads eps (a
+    """Per-token ``(labels, lse, lse_lo, A, B, A + C, D)`` of dz = p (A + B (z - lse)) + C [j == label] + D (see
+    lce_dlogits_kernel), the LSE as :func:`_load_lse`'s pair (A takes its fp32 part). ``V_total`` is the size of the whole vocabulary, over which label smoothing spreads eps (a
     vocab shard's V is smaller). A + C, the label entry's constant beside (p - 1) (A + B log p), is formed from the
     terms that do not cancel (g_logprob and the loss gradient's 1 cancel exactly): as a + c in fp32 it would keep
     only ~1e-7 |g_logprob| of a confident prediction's g_entropy entropy term (~1e-5 g_entropy here)."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = (labels != ignore_index).to(tl.float32)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    lse, lse_lo = _load_lse(lse_ptr, rows, row_ok)
     a = tl.zeros((BLOCK_N,), tl.float32)
     b = tl.zeros((BLOCK_N,), tl.float32)
     ac = tl.zeros((BLOCK_N,), tl.float32)
@@ -478,7 +494,7 @@ def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr
         gz = tl.load(gz_ptr + rows, mask=row_ok, other=0.0)
         a += gz
         ac += gz
-    return labels, lse, a, b, ac, d
+    return labels, lse, lse_lo, a, b, ac, d
 
 
 @triton.jit
@@ -512,7 +528,9 @@ def lce_dlogits_kernel(
     column gets p (A + B (z - lse)) + D here and lce_onehot_kernel overwrites it afterwards (when C can be
     nonzero). The entropy term p (E - z) is taken as -p (entropy + (z - lse)): z - lse is the exponent p needs anyway,
     and no two numbers of the logits' size cancel (g_entropy E - g_entropy z would lose ~ulp(lse) of a confident
-    prediction's E - z).
+    prediction's E - z). z - lse itself is (z - hi) - lo against the fp64 LSE's pair (:func:`_load_lse`): one fp32
+    LSE would put its rounding (~ulp(lse) / 2) into log p of every column, all of entropy + log p's precision at a
+    confident class.
     """
     tl.static_assert(BLOCK_V >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, H_TMA)
@@ -531,11 +549,11 @@ def lce_dlogits_kernel(
         z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
                          softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA,
                          DOT_PRECISION)
-        _, lse, a, b, _ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
-                                               gz_ptr, ignore_index, label_smoothing, z_loss, V_total, BLOCK_N,
-                                               HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+        _, lse, lse_lo, a, b, _ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
+                                                         ge_ptr, gz_ptr, ignore_index, label_smoothing, z_loss,
+                                                         V_total, BLOCK_N, HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
         # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
-        zc = z - lse[:, None]
+        zc = (z - lse[:, None]) - lse_lo[:, None]
         dz = _dz(tl.exp(zc), z, zc, (a * inv_temp)[:, None], (b * inv_temp)[:, None], (d * inv_temp)[:, None],
                  softcap, inv_temp, SOFTCAP)
         # Columns >= ncols (and rows >= N) are clipped by the store on both paths.
@@ -548,6 +566,18 @@ def _pm1(logp):
     """p - 1 = expm1(log p) of fp32 log-probs, formed in fp64 and rounded once to fp32: for a confident
     prediction the whole label gradient, which fp32's exp(log p) - 1 would round to a multiple of 2^-24."""
     return (tl.exp(logp.to(tl.float64)) - 1.0).to(tl.float32)
+
+
+@triton.jit
+def _label_entry(logp, a, b, ac):
+    """``(p', k)`` such that the label entry p (A + B log p) + C is p' (A + B log p) + k, from the label's fp32
+    log-prob: for a likely label (p >= 1/2) p' = p - 1 (:func:`_pm1`) and k = A + C + B log p, which a confident
+    prediction needs (for a plain loss gradient A + C = 0 exactly and the entry is (p - 1) A from p - 1 itself);
+    for an unlikely one p' = p and k = C, which keeps p (A + B log p) to its own precision where (p - 1) X + X would
+    leave ~ulp(X) of it (an entropy gradient at a label of p ~ 1e-4: 1e-3 of the entry)."""
+    likely = logp >= -0.6931471805599453
+    p = tl.where(likely, _pm1(logp), tl.exp(logp))
+    return p, tl.where(likely, ac + b * logp, ac - a)
 
 
 @triton.jit
@@ -578,20 +608,19 @@ def lce_onehot_kernel(
     """
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    labels, lse, a, b, ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
-                                                 gz_ptr, ignore_index, label_smoothing, z_loss, V_total, BLOCK_N,
-                                                 HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+    labels, lse, _, a, b, ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
+                                                    ge_ptr, gz_ptr, ignore_index, label_smoothing, z_loss, V_total,
+                                                    BLOCK_N, HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
     col = labels - col_begin
     # A label outside this slice touches nothing, and so does a negative id: on a vocab shard, a label that
     # another rank's shard holds (hopperkern.lce.distributed).
     here = row_ok & (labels != ignore_index) & (col >= 0) & (col < ncols)
     logp = tl.load(logprob_ptr + rows, mask=here, other=0.0)
     z = logp + lse
-    # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32, with
-    # p (A + B log p) = (p - 1)(A + B log p) + (A + B log p): for a plain loss gradient A + C = 0 exactly, and the
-    # entry is (p - 1) A from p - 1 itself.
-    dz = _dz(_pm1(logp), z, logp, a * inv_temp, b * inv_temp, (ac + b * logp + d) * inv_temp, softcap, inv_temp,
-             SOFTCAP)
+    # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32, in the form
+    # that keeps the entry's precision (_label_entry).
+    p, k = _label_entry(logp, a, b, ac)
+    dz = _dz(p, z, logp, a * inv_temp, b * inv_temp, (k + d) * inv_temp, softcap, inv_temp, SOFTCAP)
     tl.store(d_ptr + rows.to(tl.int64) * stride_dn + col, dz.to(d_ptr.dtype.element_ty), mask=here)
 
 
@@ -604,7 +633,7 @@ def _sft_rows(row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_in
     row_ok = rows < N
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = row_ok & (labels != ignore_index)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    lse, _ = _load_lse(lse_ptr, rows, row_ok)  # fp32, as the forward's own exponent (no entropy term here)
     logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
     gl = tl.where(kept, tl.load(scale_ptr), 0.0)
     a, c, d = _loss_coefficients(gl, lse, label_smoothing, z_loss, V)
@@ -666,7 +695,7 @@ def _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr, ignore_index, z_lo
     flagged: its NaN reaches the row's factor."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = row_ok & (labels != ignore_index)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    lse, _ = _load_lse(lse_ptr, rows, row_ok)  # fp32, as the forward's own exponent (no entropy term here)
     c = tl.load(ref_ptr + rows, mask=row_ok, other=0.0) + E_OFFSET
     a = 1.0 + 2.0 * z_loss * lse
     flagged = kept & ((lse - c > E_CLAMP) | (tl.abs(a) < 0.0009765625))
@@ -833,11 +862,11 @@ def lce_exp_dlogits_kernel(
     FWD_BLOCK_V-wide vocab tiles (BLOCK_V divides FWD_BLOCK_V).
 
     The gradient of lce_dlogits_kernel + lce_onehot_kernel, dz = (p (A + B (z - lse)) + C [j == label] + D) / T,
-    with p = e exp(m - lse) and z - lse = (m - lse) + log e formed in fp32 (only where the entropy term
-    B = -g_entropy needs it; a logit whose e underflowed to 0 has p = 0 and contributes nothing, and one whose e is
-    subnormal takes z - lse = 0 beside its p < 2^-126), rounded once. At the label, p and z - lse come
-    from the forward's fp32 log-prob, as in lce_onehot_kernel, so that p - 1 of a confident prediction keeps its
-    precision. A token whose LSE is NaN (an out-of-range label) gets a NaN row. No softcap: its tanh factor needs
+    with p = e exp(m - lse) and z - lse = (m - lse) + log e formed in fp32, m - lse against the fp64 LSE's pair
+    (:func:`_load_lse`; only where the entropy term B = -g_entropy needs it; a logit whose e underflowed to 0 has
+    p = 0 and contributes nothing, and one whose e is subnormal takes z - lse = 0 beside its p < 2^-126), rounded
+    once. At the label, p and z - lse come from the forward's fp32 log-prob, as in lce_onehot_kernel
+    (:func:`_label_entry`), so that the entry of a confident or an unlikely label keeps its precision. A token whose LSE is NaN (an out-of-range label) gets a NaN row. No softcap: its tanh factor needs
     each logit to more than e's precision. APPROX_MATH (on a GPU): log e through
     :func:`~hopperkern.tma.jit.log_approx`, whose error (< 2^-22 in log2) is far below that of the stored e
     (2^-9 in bf16), and which costs one special-function instruction an element instead of about twenty.
@@ -847,28 +876,29 @@ def lce_exp_dlogits_kernel(
     col0 = tl.program_id(1) * BLOCK_V
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    labels, lse, a, b, ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr,
-                                                 gz_ptr, ignore_index, label_smoothing, z_loss, V, BLOCK_N,
-                                                 HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+    labels, lse, lse_lo, a, b, ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
+                                                         ge_ptr, gz_ptr, ignore_index, label_smoothing, z_loss, V,
+                                                         BLOCK_N, HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
     kept = row_ok & (labels != ignore_index)
     logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
     mt = tl.load(mt_ptr + rows.to(tl.int64) * stride_mt + col0 // FWD_BLOCK_V, mask=row_ok, other=0.0)
+    mc = (mt - lse) - lse_lo  # m - lse, with the LSE's fp64 part (see _load_lse)
     d_src = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
     e = load_2d(d_src, row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA).to(tl.float32)
     at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
-    # At the label p coef = (p - 1) coef + coef (see lce_onehot_kernel).
-    p = tl.where(at_label, _pm1(logp)[:, None], e * tl.exp(mt - lse)[:, None])
+    # At the label p coef + C = p' coef + k (_label_entry).
+    p_lab, k_lab = _label_entry(logp, a, b, ac)
+    p = tl.where(at_label, p_lab[:, None], e * tl.exp(mc)[:, None])
     coef = a[:, None]
     if HAS_GE:
         # Only normal e take the logarithm (log_approx's domain; compiled tl.log takes libdevice's flush-to-zero
         # path, and a -inf there would make p z a NaN). A subnormal e, a logit 87 to 92 below its tile's running max
         # should the forward store one, has p < 2^-126: its terms vanish with z = 0 as with the exact z.
         normal = e >= 1.1754943508222875e-38
-        zc = tl.where(normal, (mt - lse)[:, None] + log_approx(tl.where(normal, e, 1.0), APPROX_MATH), 0.0)
+        zc = tl.where(normal, mc[:, None] + log_approx(tl.where(normal, e, 1.0), APPROX_MATH), 0.0)
         zc = tl.where(at_label, logp[:, None], zc)
         coef = coef + b[:, None] * zc
-    # At the label coef + C = A + C + B log p (b = 0 without g_entropy).
-    dz = (p * coef + d[:, None] + tl.where(at_label, (ac + b * logp)[:, None], 0.0)) * inv_temp
+    dz = (p * coef + d[:, None] + tl.where(at_label, k_lab[:, None], 0.0)) * inv_temp
     # Rows >= N and columns >= V are clipped by the store on both paths.
     o_dst = tile_source_2d(out_ptr, N, V, stride_on, BLOCK_N, BLOCK_V, D_TMA)
     store_2d(o_dst, dz.to(out_ptr.dtype.element_ty), row0, col0, N, V, stride_on, 1, BLOCK_N, BLOCK_V, D_TMA)

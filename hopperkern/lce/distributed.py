@@ -134,11 +134,12 @@ def _local_labels(labels1d: torch.Tensor, shard: _Shard, ignore_index: int) -> t
 
 
 def _forward(hidden2d, weight, bias, labels1d, local, call: _Call, pick_label: bool):
-    """Steps 2-5: per-token (loss, logprob, entropy, lse), fp32 [N], equal on every rank."""
+    """Steps 2-5: per-token (loss, logprob, entropy, lse), [N] (fp32, the LSE fp64), equal on every rank."""
     shard, opts = call.shard, call.opts
     N = hidden2d.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden2d.device)
-    loss, logprob, lse = (torch.empty(N, **f32) for _ in range(3))
+    loss, logprob = torch.empty(N, **f32), torch.empty(N, **f32)
+    lse = torch.empty(N, dtype=torch.float64, device=hidden2d.device)  # fp64, as lce_forward's (see _kernels._load_lse)
     entropy = torch.empty(N, **f32) if call.need_entropy else torch.zeros(N, **f32)
     if N == 0:  # every rank has N = 0 (step 1): no collective
         return loss, logprob, entropy, lse
@@ -236,7 +237,8 @@ class _VocabParallelLce(torch.autograd.Function):
 @torch.compiler.disable
 def vocab_parallel_forward(group, hidden2d, weight, labels1d, bias, ignore_index, label_smoothing, z_loss, softcap,
                            temperature, tma, need_entropy, check, grad):
-    """Per-token ``(loss, logprob, entropy, lse)`` (fp32 [N], the same on every rank) of one rank's vocab shard;
+    """Per-token ``(loss, logprob, entropy, lse)`` ([N], fp32 but the fp64 LSE, the same on every rank) of one rank's
+    vocab shard;
     the arguments of :func:`hopperkern.lce.ops.lce_forward_impl` after ``group``, inputs validated. ``grad``: autograd
     records the call (the label's logit then comes from the forward's tiles, as in the unsharded op)."""
     opts = LceOptions(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing), z_loss=float(z_loss),

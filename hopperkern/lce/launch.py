@@ -336,12 +336,12 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
     label_out = in_tiles and not keep_label_term
     plan.stat_rows = [S] * (2 + need_entropy + need_sumz) + [S if in_tiles else 1]
     plan.need_t, plan.need_sumz = need_entropy, need_sumz
-    # Byte offsets of m, s, t, sumz, zl, and of a loss and an LSE row, in one allocation of a direct call (see
+    # Byte offsets of m, s, t, sumz, zl, and of a loss and an fp64 LSE row, in one allocation of a direct call (see
     # _forward_direct): each piece starts 128-byte aligned, as the separate tensors the launches were bound with
     # may have been (a binary specialised for a 16-byte aligned pointer must never get another). t and sumz fall
     # back on m when not asked for.
     offsets, at = [], 0
-    for rows in plan.stat_rows + [1, 1]:
+    for rows in plan.stat_rows + [1, 2]:  # the LSE's fp64 row: two fp32 rows' bytes
         offsets.append(at)
         at += round_up(rows * N * 4, PIECE_ALIGN)
     plan.stat_at = (offsets[0], offsets[1], offsets[2] if need_entropy else 0,
@@ -389,7 +389,7 @@ def _build_forward_plan(hidden2d, weight, labels1d, bias, opts: LceOptions, need
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     plan.combine = _combine_launch(S, N, S if in_tiles else 1, labels1d, V, opts, need_entropy, need_sumz, one,
-                                   label_out)
+                                   one.new_empty((1, N), dtype=torch.float64), label_out)
     return plan
 
 
@@ -412,8 +412,9 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
                 *, need_entropy: bool = True, config: KernelConfig | None = None, pick_label: bool = True,
                 stats_only: bool = False, shared_out: bool = False, z_out: torch.Tensor | None = None,
                 e_out: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """Per-token ``(loss, logprob, entropy, lse)``, each fp32 [N], for 2-D hidden [N, H] and labels [N]
-    (``shared_out``: views of one [4, N] allocation, one allocation instead of four).
+    """Per-token ``(loss, logprob, entropy, lse)``, fp32 [N] each but the LSE, fp64 [N] (the backward takes z - lse
+    to fp64's precision of the LSE, see ``_load_lse``), for 2-D hidden [N, H] and labels [N] (``shared_out``: views
+    of one allocation instead of four).
 
     loss includes label smoothing and z-loss (0 at ignored tokens); logprob is 0 at ignored tokens; entropy
     is computed for every token (zeros when ``need_entropy`` is False). A kept label outside [0, V) makes all
@@ -452,8 +453,7 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
     if N == 0:
         if hidden2d.is_cuda and _tma.interpreter_active():
             _tma.check_interpreter(hidden2d.dtype, "lce.forward")  # as any call would under the interpreter
-        f32 = dict(dtype=torch.float32, device=dev)
-        return tuple(torch.zeros(0, **f32) for _ in range(4))
+        return _outputs(0, dev, False)
     _check_store(hidden2d, weight, z_out, e_out, pick_label)
     plan = forward_plan_for(hidden2d, weight, labels1d, bias, opts, need_entropy=need_entropy, pick_label=pick_label,
                             config=config, z_out=z_out, e_out=e_out, keep_label_term=stats_only)
@@ -486,14 +486,16 @@ def lce_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Te
 
 
 def _outputs(N: int, dev, shared: bool):
-    """(loss, logprob, entropy, lse), fp32 [N] each: views of one allocation when ``shared``, each row 128-byte
-    aligned (a launch bound with aligned outputs refuses others, and the direct forward would then run again)."""
+    """(loss, logprob, entropy, lse), fp32 [N] each but the LSE, fp64 [N]: views of one allocation when ``shared``,
+    each 128-byte aligned (a launch bound with aligned outputs refuses others, and the direct forward would then
+    run again)."""
     if shared:
         pitch = round_up(N, PIECE_ALIGN // 4)
-        if pitch == N:
-            return torch.empty((4, N), dtype=torch.float32, device=dev).unbind(0)
-        return torch.empty((4, pitch), dtype=torch.float32, device=dev)[:, :N].unbind(0)
-    return tuple(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(4))
+        buf = torch.empty(5 * pitch, dtype=torch.float32, device=dev)  # the LSE takes the last two rows' bytes
+        return (*buf[:3 * pitch].view(3, pitch)[:, :N].unbind(0), buf[3 * pitch:].view(torch.float64)[:N])
+    f32 = dict(dtype=torch.float32, device=dev)
+    return torch.empty(N, **f32), torch.empty(N, **f32), torch.empty(N, **f32), torch.empty(N, dtype=torch.float64,
+                                                                                          device=dev)
 
 
 def _store_args(z_out, e_out):
@@ -598,10 +600,10 @@ def logprobs_direct(plan: _ForwardPlan, hidden2d, weight, labels1d):
 
 
 def _combine_launch(S: int, N: int, S_zl: int, labels1d, V: int, opts: LceOptions, need_entropy: bool,
-                    need_sumz: bool, f32_like, label_out: bool = False) -> Launch:
+                    need_sumz: bool, f32_like, lse_like, label_out: bool = False) -> Launch:
     return Launch(
         lce_combine_kernel, (cdiv(N, _COMBINE_BLOCK),),
-        f32_like, f32_like, f32_like, f32_like, f32_like, labels1d, f32_like, f32_like, f32_like, f32_like,
+        f32_like, f32_like, f32_like, f32_like, f32_like, labels1d, f32_like, f32_like, f32_like, lse_like,
         N, V, S, S_zl, opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss),
         BLOCK=_COMBINE_BLOCK, NEED_T=need_entropy, NEED_SUMZ=need_sumz, LABEL_OUT=label_out,
     )
@@ -609,7 +611,8 @@ def _combine_launch(S: int, N: int, S_zl: int, labels1d, V: int, opts: LceOption
 
 def combine_stats(m, s, t, sumz, zl, labels1d, V: int, opts: LceOptions, out, *, need_entropy: bool,
                   need_sumz: bool) -> None:
-    """Merge per-split statistics into ``out = (loss, logprob, entropy, lse)``, each fp32 [N] (lce_combine_kernel).
+    """Merge per-split statistics into ``out = (loss, logprob, entropy, lse)``, [N] each (lce_combine_kernel): fp32,
+    the LSE fp64 (or fp32, then rounded: the backward's log-probs then carry its rounding).
 
     m, s, t, sumz: fp32 [S, N] (t read only with ``need_entropy``, sumz only with ``need_sumz``); zl: fp32 [S_ZL, N],
     the label's logit where a split holds it and 0 elsewhere. ``V`` is the whole vocabulary's size: label smoothing's
@@ -617,7 +620,7 @@ def combine_stats(m, s, t, sumz, zl, labels1d, V: int, opts: LceOptions, out, *,
     (:mod:`.distributed`) calls it with S = 1 on statistics already summed across ranks.
     """
     S, N = m.shape
-    _combine_launch(S, N, zl.shape[0], labels1d, V, opts, need_entropy, need_sumz, m)(
+    _combine_launch(S, N, zl.shape[0], labels1d, V, opts, need_entropy, need_sumz, m, out[3])(
         m, s, t, sumz, zl, labels1d, *out)
 
 
@@ -677,7 +680,8 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
                  hidden_grad_out: torch.Tensor | None = None):
     """``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the input dtype.
 
-    ``lse``, ``entropy`` and ``logprob`` are the forward's fp32 [N] outputs (see :func:`lce_forward`); ``g_*``
+    ``lse``, ``entropy`` and ``logprob`` are the forward's [N] outputs (see :func:`lce_forward`: the LSE fp64, or
+    fp32 at the price of its rounding in every log-prob, the others fp32); ``g_*``
     are fp32 [N] upstream gradients of its per-token outputs, or None for zero. The gradient w.r.t. the final
     logits z is, as plain PyTorch in fp32 (per-token vectors broadcast over the vocab; p = softmax(z),
     E = lse - entropy, eps = label smoothing)::
@@ -738,7 +742,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     V_total = V if vocab_total is None else int(vocab_total)
     if config is None:
         key = (hidden2d.device, dt, hidden2d.shape, hidden2d.stride(), weight.shape, weight.stride(), labels1d.dtype,
-               None if bias is None else bias.dtype, opts, flags, V_total, env_key(),
+               None if bias is None else bias.dtype, lse.dtype, opts, flags, V_total, env_key(),
                alignment_key(hidden2d, weight, labels1d, bias))
         plan = _BACKWARD_PLANS.get(key)
         if plan is None or not plan.fresh():
@@ -755,7 +759,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     dbuf = torch.empty((N, plan.ld), dtype=dt, device=dev)
     # The first slice's GEMM writes acc_h with beta = 0: no fill.
     acc_h = torch.empty((N, H), dtype=torch.float32, device=dev) if need_hidden_grad else None
-    grads = [g if g is not None else lse for g in (g_loss, g_logprob, g_entropy, g_lse)]
+    grads = [g if g is not None else entropy for g in (g_loss, g_logprob, g_entropy, g_lse)]
     b_arg = bias if bias is not None else weight
     acc_w = None
     if extra_weight_grad is not None and need_weight_grad and dt != torch.float32:
@@ -828,6 +832,7 @@ def _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts: LceOptions
     scal = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
             opts.inv_temp)
     b_arg = bias if bias is not None else weight
+    f32 = torch.empty(1, dtype=torch.float32, device=dev)  # stands for the fp32 [N] vectors: Launch keeps dtypes
     sms = _sm_count(dev)
     plan.slices = []
     for col_begin in range(0, V, vs):
@@ -836,7 +841,7 @@ def _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts: LceOptions
         progs = min(num_tiles, sms)
         dlogits = Launch(
             lce_dlogits_kernel, (progs,),
-            hidden2d, weight, b_arg, labels1d, lse, lse, lse, lse, lse, lse, dbuf, N, V, V_total, H, col_begin,
+            hidden2d, weight, b_arg, labels1d, lse, f32, f32, f32, f32, f32, dbuf, N, V, V_total, H, col_begin,
             ncols, hidden2d.stride(0), hidden2d.stride(1), weight.stride(0), weight.stride(1), dbuf.stride(0), *scal,
             BLOCK_N=cfg.block_m, BLOCK_V=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_m,
             HAS_BIAS=bias is not None, SOFTCAP=softcap_mode(opts.softcap), **has, NUM_PROGRAMS=progs,
@@ -846,7 +851,7 @@ def _build_backward_plan(hidden2d, weight, labels1d, bias, lse, opts: LceOptions
         )
         onehot = Launch(
             lce_onehot_kernel, (cdiv(N, _COMBINE_BLOCK),),
-            labels1d, lse, lse, lse, lse, lse, lse, lse, dbuf, N, V_total, col_begin, ncols,
+            labels1d, lse, f32, f32, f32, f32, f32, f32, dbuf, N, V_total, col_begin, ncols,
             dbuf.stride(0), *scal, BLOCK_N=_COMBINE_BLOCK, SOFTCAP=softcap_mode(opts.softcap), **has,
         )
         plan.slices.append((col_begin, ncols, dlogits, onehot))

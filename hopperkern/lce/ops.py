@@ -71,8 +71,13 @@ lce_forward_op = torch.library.custom_op("hopperkern::lce_forward", mutates_args
 @lce_forward_op.register_fake
 def _(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss, softcap, temperature, tma, need_entropy,
       check, pick_label=True, shared_out=False):
-    n = hidden.shape[0]
-    return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(4))
+    return _fake_stats(hidden.new_empty((0,)), hidden.shape[0])
+
+
+def _fake_stats(like: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Fake (loss, logprob, entropy, lse) of ``n`` tokens: fp32, the LSE fp64 (as :func:`launch.lce_forward`)."""
+    f32 = [like.new_empty((n,), dtype=torch.float32) for _ in range(3)]
+    return (*f32, like.new_empty((n,), dtype=torch.float64))
 
 
 def lce_backward_impl(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], lse: Tensor,
@@ -454,8 +459,7 @@ def _(hidden, weight, labels, ignore_index, temperature, tma, check, stored=-1):
     # The real call's config lookup (host only), so mt's width matches; it depends on the stored rows' token
     # bucket, so a dynamic N specialises on it.
     cfg = rl_stored_config(hidden.dtype, s, h, hidden.device)
-    stats = tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(4))
-    return (*stats, hidden.new_empty((s, padded_cols(v))),
+    return (*_fake_stats(hidden, n), hidden.new_empty((s, padded_cols(v))),
             hidden.new_empty((s, (v + cfg.block_n - 1) // cfg.block_n), dtype=torch.float32))
 
 

@@ -215,8 +215,7 @@ def lce_rl_forward(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch
     e = torch.empty((S, padded_cols(V)), dtype=hidden2d.dtype, device=dev)
     mt = torch.empty((S, cdiv(V, cfg.block_n)), dtype=torch.float32, device=dev)
     if N == 0:
-        f32 = dict(dtype=torch.float32, device=dev)
-        return (*(torch.empty(0, **f32) for _ in range(4)), e, mt)
+        return (*lce_forward(hidden2d, weight, labels1d, None, opts), e, mt)
     out = lce_forward(hidden2d[:S], weight, labels1d[:S], None, opts, need_entropy=True, config=cfg, pick_label=True,
                       e_out=(e, mt)) if S else None
     if S < N:
@@ -259,7 +258,7 @@ def _exp_dlogits(e, mt, labels1d, lse, entropy, logprob, grads, opts: LceOptions
     N = e.shape[0]
     dl = e if in_place else torch.empty_like(e)
     flags = tuple(g is not None for g in grads)
-    tensors = (e, dl, mt, labels1d, lse, entropy, *(g if g is not None else lse for g in grads), logprob)
+    tensors = (e, dl, mt, labels1d, lse, entropy, *(g if g is not None else entropy for g in grads), logprob)
     key = ("rl_dlogits", e.device, N, V, e.stride(0), dl.stride(0), mt.stride(0), mt.shape[1], flags, opts,
            *state_key(), *tensors_key(tensors))
     _sft.cached_launch(key, lambda: _exp_dlogits_launch(tensors, N, V, flags, opts))(*tensors)
