@@ -21,11 +21,11 @@ SHIFT = 30.0  # added to every logit (softmax does not change): raw label logits
 
 
 def confident_inputs(confident=(1 - 1e-5, 1 - 1e-7)):
-    """make_inputs' confident batch (the label's p within ``confident``) (every token kept), every logit raised by SHIFT through one more hidden unit
-    (1) and weight column (SHIFT), with hidden and weight on a grid of 2^-8: every product is then a multiple of
-    2^-16 and every logit (|z| < 2^7) a sum that fp32 holds exactly in any order. So the logits carry no rounding
-    (an fp32 GEMM's, ~ulp(50) = 4e-6, would be as large as 1 - p and depend on the BLAS's summation order) and the
-    errors measured are those of the softmax statistics alone."""
+    """make_inputs' confident batch (the label's p within ``confident``, every token kept), every logit raised by SHIFT
+    through one more hidden unit (1) and weight column (SHIFT), with hidden and weight on a grid of 2^-8: every product
+    is then a multiple of 2^-16 and every logit (|z| < 2^7) a sum that fp32 holds exactly in any order. So the logits
+    carry no rounding (an fp32 GEMM's, ~ulp(50) = 4e-6, would be as large as 1 - p and depend on the BLAS's summation
+    order) and the errors measured are those of the softmax statistics alone."""
     inp = make_inputs((N, V, H), confident=confident)
     inp.hidden = torch.cat([inp.hidden, torch.ones(N, 1, dtype=inp.hidden.dtype, device=inp.hidden.device)], 1)
     inp.weight = torch.cat([inp.weight, torch.full((V, 1), SHIFT, dtype=inp.weight.dtype,

@@ -464,10 +464,11 @@ def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr
                       label_smoothing, z_loss, V_total, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
                       HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr):
     """Per-token ``(labels, lse, lse_lo, A, B, A + C, D)`` of dz = p (A + B (z - lse)) + C [j == label] + D (see
-    lce_dlogits_kernel), the LSE as :func:`_load_lse`'s pair (A takes its fp32 part). ``V_total`` is the size of the whole vocabulary, over which label smoothing spreads eps (a
-    vocab shard's V is smaller). A + C, the label entry's constant beside (p - 1) (A + B log p), is formed from the
-    terms that do not cancel (g_logprob and the loss gradient's 1 cancel exactly): as a + c in fp32 it would keep
-    only ~1e-7 |g_logprob| of a confident prediction's g_entropy entropy term (~1e-5 g_entropy here)."""
+    lce_dlogits_kernel), the LSE as :func:`_load_lse`'s pair (A takes its fp32 part). ``V_total`` is the size of the
+    whole vocabulary, over which label smoothing spreads eps (a vocab shard's V is smaller). A + C, the label entry's
+    constant beside (p - 1) (A + B log p), is formed from the terms that do not cancel (g_logprob and the loss
+    gradient's 1 cancel exactly): as a + c in fp32 it would keep only ~1e-7 |g_logprob| of a confident prediction's
+    g_entropy entropy term (~1e-5 g_entropy here)."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = (labels != ignore_index).to(tl.float32)
     lse, lse_lo = _load_lse(lse_ptr, rows, row_ok)
@@ -627,17 +628,18 @@ def lce_onehot_kernel(
 @triton.jit
 def _sft_rows(row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_index, label_smoothing, z_loss,
               BLOCK_N: tl.constexpr):
-    """Per-row inputs of a 3-pass d(logits) tile: rows, row_ok, labels, kept, lse, logp (the forward's fp32 log-prob
-    of the label) and the (A, C, D) terms of an upstream gradient ``scale`` on every kept token's loss."""
+    """Per-row inputs of a 3-pass d(logits) tile: rows, row_ok, labels, kept, lse and lse_lo (:func:`_load_lse`'s
+    pair), logp (the forward's fp32 log-prob of the label) and the (A, C, D) terms of an upstream gradient ``scale``
+    on every kept token's loss."""
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = row_ok & (labels != ignore_index)
-    lse, _ = _load_lse(lse_ptr, rows, row_ok)  # fp32, as the forward's own exponent (no entropy term here)
+    lse, lse_lo = _load_lse(lse_ptr, rows, row_ok)
     logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
     gl = tl.where(kept, tl.load(scale_ptr), 0.0)
     a, c, d = _loss_coefficients(gl, lse, label_smoothing, z_loss, V)
-    return rows, row_ok, labels, kept, lse, logp, a, c, d
+    return rows, row_ok, labels, kept, lse, lse_lo, logp, a, c, d
 
 
 @triton.jit
@@ -674,13 +676,13 @@ def lce_sft_dlogits_kernel(
     """
     row0 = tl.program_id(0) * BLOCK_N
     col0 = tl.program_id(1) * BLOCK_V
-    rows, row_ok, labels, kept, lse, logp, a, c, d = _sft_rows(
+    rows, row_ok, labels, kept, lse, lse_lo, logp, a, c, d = _sft_rows(
         row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_index, label_smoothing, z_loss, BLOCK_N)
     z_src = tile_source_2d(z_ptr, N, V, stride_zn, BLOCK_N, BLOCK_V, Z_TMA)
     d_dst = tile_source_2d(d_ptr, N, V, stride_dn, BLOCK_N, BLOCK_V, D_TMA)
     z = load_2d(z_src, row0, col0, N, V, stride_zn, 1, BLOCK_N, BLOCK_V, Z_TMA)
-    dz = _sft_dz(tl.exp(z - lse[:, None]), z, col0, labels, kept, logp, a, c, d, softcap, inv_temp, BLOCK_V,
-                 SOFTCAP)
+    dz = _sft_dz(tl.exp((z - lse[:, None]) - lse_lo[:, None]), z, col0, labels, kept, logp, a, c, d, softcap,
+                 inv_temp, BLOCK_V, SOFTCAP)
     # Rows >= N and columns >= V (zeros read there) are clipped by the store on both paths.
     store_2d(d_dst, dz.to(d_ptr.dtype.element_ty), row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA)
 
@@ -689,17 +691,17 @@ def lce_sft_dlogits_kernel(
 def _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr, ignore_index, z_loss, E_OFFSET: tl.constexpr,
                   E_CLAMP: tl.constexpr):
     """Per-row terms of the 3-pass path over e = exp(z - c) (lce_forward_kernel's STORE_E with E_REF): labels,
-    kept, lse, c = r + E_OFFSET, a = 1 + 2 z_loss lse (the loss gradient's factor on p), and ``flagged``: a kept
-    row that the row scaling cannot serve, whose LSE lies more than E_CLAMP above c (the forward clamped its e)
-    or whose a is ~0 (the label entry's (p - 1 / a) would blow up). A NaN LSE (an out-of-range label) is not
-    flagged: its NaN reaches the row's factor."""
+    kept, lse and lse_lo (:func:`_load_lse`'s pair), c = r + E_OFFSET, a = 1 + 2 z_loss lse (the loss gradient's factor
+    on p), and ``flagged``: a kept row that the row scaling cannot serve, whose LSE lies more than E_CLAMP above c (the
+    forward clamped its e) or whose a is ~0 (the label entry's (p - 1 / a) would blow up). A NaN LSE (an out-of-range
+    label) is not flagged: its NaN reaches the row's factor."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = row_ok & (labels != ignore_index)
-    lse, _ = _load_lse(lse_ptr, rows, row_ok)  # fp32, as the forward's own exponent (no entropy term here)
+    lse, lse_lo = _load_lse(lse_ptr, rows, row_ok)
     c = tl.load(ref_ptr + rows, mask=row_ok, other=0.0) + E_OFFSET
     a = 1.0 + 2.0 * z_loss * lse
     flagged = kept & ((lse - c > E_CLAMP) | (tl.abs(a) < 0.0009765625))
-    return labels, kept, lse, c, a, flagged
+    return labels, kept, lse, lse_lo, c, a, flagged
 
 
 @triton.jit
@@ -730,10 +732,10 @@ def lce_sft_rowscale_kernel(
     lce_sft_rows_kernel writes its whole d(logits) row."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < N
-    labels, kept, lse, c, a, flagged = _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr, ignore_index,
-                                                     z_loss, E_OFFSET, E_CLAMP)
+    labels, kept, lse, lse_lo, c, a, flagged = _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr,
+                                                             ignore_index, z_loss, E_OFFSET, E_CLAMP)
     g = tl.load(scale_ptr)
-    rho = tl.where(kept, g * a * inv_temp * tl.exp(tl.where(kept, c - lse, 0.0)), 0.0)
+    rho = tl.where(kept, g * a * inv_temp * tl.exp(tl.where(kept, (c - lse) - lse_lo, 0.0)), 0.0)
     tl.store(rho_ptr + rows, tl.where(flagged, 1.0, rho), mask=row_ok)
     here = kept & (~flagged) & (labels >= 0) & (labels < V)
     pm1 = _pm1(tl.load(logprob_ptr + rows, mask=here, other=0.0))
@@ -743,7 +745,7 @@ def lce_sft_rowscale_kernel(
         tl.store(lab_ptr + rows, lab, mask=row_ok)
         entry = tl.zeros((BLOCK,), tl.float32)
     else:
-        entry = (pm1 + (1.0 - 1.0 / tl.where(here, a, 1.0))) * tl.exp(tl.where(here, lse - c, 0.0))
+        entry = (pm1 + (1.0 - 1.0 / tl.where(here, a, 1.0))) * tl.exp(tl.where(here, (lse - c) + lse_lo, 0.0))
     tl.store(e_ptr + rows.to(tl.int64) * stride_en + labels, entry.to(e_ptr.dtype.element_ty), mask=here)
 
 
@@ -813,17 +815,17 @@ def lce_sft_rows_kernel(
     usual case: a flagged token has log p < -(E_OFFSET + E_CLAMP) or a z-loss factor of ~0)."""
     row0 = tl.program_id(0) * BLOCK_N
     col0 = tl.program_id(1) * BLOCK_V
-    rows, row_ok, labels, kept, lse, logp, a, c, d = _sft_rows(
+    rows, row_ok, labels, kept, lse, lse_lo, logp, a, c, d = _sft_rows(
         row0, N, V, labels_ptr, lse_ptr, logprob_ptr, scale_ptr, ignore_index, 0.0, z_loss, BLOCK_N)
-    _, _, _, _, _, flagged = _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr, ignore_index, z_loss,
+    _, _, _, _, _, _, flagged = _sft_ref_rows(rows, row_ok, labels_ptr, lse_ptr, ref_ptr, ignore_index, z_loss,
                                            E_OFFSET, E_CLAMP)
     if tl.max(flagged.to(tl.int32), 0) != 0:
         h_src = tile_source_2d(h_ptr, N, H, stride_hn, BLOCK_N, BLOCK_K, False)
         w_src = tile_source_2d(w_ptr, V, H, stride_wv, BLOCK_V, BLOCK_K, False)
         z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
                          1.0, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, False, False, False, DOT_PRECISION)
-        dz = _sft_dz(tl.exp(z - lse[:, None]), z, col0, labels, kept, logp, a, c, d, 1.0, inv_temp, BLOCK_V,
-                     False)
+        dz = _sft_dz(tl.exp((z - lse[:, None]) - lse_lo[:, None]), z, col0, labels, kept, logp, a, c, d, 1.0,
+                     inv_temp, BLOCK_V, False)
         cols = col0 + tl.arange(0, BLOCK_V)
         tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :], dz.to(d_ptr.dtype.element_ty),
                  mask=flagged[:, None] & (cols[None, :] < V))
@@ -866,10 +868,11 @@ def lce_exp_dlogits_kernel(
     (:func:`_load_lse`; only where the entropy term B = -g_entropy needs it; a logit whose e underflowed to 0 has
     p = 0 and contributes nothing, and one whose e is subnormal takes z - lse = 0 beside its p < 2^-126), rounded
     once. At the label, p and z - lse come from the forward's fp32 log-prob, as in lce_onehot_kernel
-    (:func:`_label_entry`), so that the entry of a confident or an unlikely label keeps its precision. A token whose LSE is NaN (an out-of-range label) gets a NaN row. No softcap: its tanh factor needs
-    each logit to more than e's precision. APPROX_MATH (on a GPU): log e through
-    :func:`~hopperkern.tma.jit.log_approx`, whose error (< 2^-22 in log2) is far below that of the stored e
-    (2^-9 in bf16), and which costs one special-function instruction an element instead of about twenty.
+    (:func:`_label_entry`), so that the entry of a confident or an unlikely label keeps its precision. A token whose LSE
+    is NaN (an out-of-range label) gets a NaN row. No softcap: its tanh factor needs each logit to more than e's
+    precision. APPROX_MATH (on a GPU): log e through :func:`~hopperkern.tma.jit.log_approx`, whose error (< 2^-22 in
+    log2) is far below that of the stored e (2^-9 in bf16), and which costs one special-function instruction an element
+    instead of about twenty.
     """
     tl.static_assert(FWD_BLOCK_V % BLOCK_V == 0, "a d(logits) tile must lie within one forward vocab tile")
     row0 = tl.program_id(0) * BLOCK_N
