@@ -65,7 +65,7 @@ def main() -> int:
                               E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP),
                          w, st)
                 comp(f"lce_dlogits  {tag}", K.lce_dlogits_kernel,
-                     dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32",
+                     dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp64",
                           ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", d_ptr="bf16",
                           N=N, V=V, V_total=V, H=H, col_begin=0, ncols=8192, stride_hn=H, stride_hk=1, stride_wv=H,
                           stride_wk=1, stride_dn=8192, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
@@ -90,7 +90,7 @@ def main() -> int:
                   E_TMA=False, E_REF=False, E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP),
              w, st)
         comp(f"lce_dlogits  {bn}x{bv}x{bk} w{w} s{st} tma=1 flatten=1 softcap={mode}", K.lce_dlogits_kernel,
-             dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32",
+             dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", labels_ptr="i64", lse_ptr="fp64", ent_ptr="fp32",
                   gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", d_ptr="bf16", N=N, V=V, V_total=V, H=H,
                   col_begin=0, ncols=8192, stride_hn=H, stride_hk=1, stride_wv=H, stride_wk=1, stride_dn=8192,
                   ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=30.0, inv_temp=1.0),
@@ -110,7 +110,7 @@ def main() -> int:
                           DOT_PRECISION="tf32"), L._LABEL_MMA_WARPS, L._LABEL_MMA_STAGES)
     for softcap in (False, True):
         comp(f"lce_onehot   softcap={int(softcap)}", K.lce_onehot_kernel,
-             dict(labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32",
+             dict(labels_ptr="i64", lse_ptr="fp64", ent_ptr="fp32", gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32",
                   gz_ptr="fp32", logprob_ptr="fp32", d_ptr="bf16", N=N, V_total=V, col_begin=0, ncols=8192,
                   stride_dn=8192, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=30.0, inv_temp=1.0),
              dict(BLOCK_N=128, SOFTCAP=softcap, HAS_GL=True, HAS_GP=True, HAS_GE=True, HAS_GZ=True), 4, 1)
@@ -120,13 +120,13 @@ def main() -> int:
             bn, bv = sft._DLOGITS_BLOCKS  # the shipped tiles
             comp(f"lce_sft_dlogits {bn}x{bv} w{warps} tma={int(tma)} softcap={int(softcap)}",
                  K.lce_sft_dlogits_kernel,
-                 dict(z_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32", scale_ptr="fp32",
+                 dict(z_ptr="fp32", labels_ptr="i64", lse_ptr="fp64", logprob_ptr="fp32", scale_ptr="fp32",
                       d_ptr="bf16", N=512, V=V, stride_zn=V, stride_dn=V, ignore_index=-100, label_smoothing=0.0,
                       z_loss=0.0, softcap=30.0, inv_temp=1.0),
                  dict(BLOCK_N=bn, BLOCK_V=bv, SOFTCAP=softcap, Z_TMA=tma, D_TMA=tma), warps, 1)
     # The 3-pass SFT path's launches beside its forward over exponentials (sft._forward_exp, sft._row_scaled).
     comp(f"lce_sft_rowscale {sft._ROWSCALE_BLOCK}", K.lce_sft_rowscale_kernel,
-         dict(e_ptr="bf16", rho_ptr="fp32", ref_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", logprob_ptr="fp32",
+         dict(e_ptr="bf16", rho_ptr="fp32", ref_ptr="fp32", labels_ptr="i64", lse_ptr="fp64", logprob_ptr="fp32",
               scale_ptr="fp32", lab_ptr="fp32", N=N, V=V, stride_en=V, ignore_index=-100, z_loss=0.0,
               inv_temp=1.0),
          dict(BLOCK=sft._ROWSCALE_BLOCK, E_OFFSET=L.E_OFFSET, E_CLAMP=L.E_CLAMP, SPLIT_LABEL=True), 4, 1)
@@ -141,7 +141,7 @@ def main() -> int:
     bn, bv = sft._ROWS_TILES
     comp(f"lce_sft_rows {bn}x{bv}x64", K.lce_sft_rows_kernel,
          dict(h_ptr="bf16", w_ptr="bf16", b_ptr="bf16", d_ptr="bf16", ref_ptr="fp32", labels_ptr="i64",
-              lse_ptr="fp32", logprob_ptr="fp32", scale_ptr="fp32", N=N, V=V, H=H, stride_hn=H, stride_hk=1,
+              lse_ptr="fp64", logprob_ptr="fp32", scale_ptr="fp32", N=N, V=V, H=H, stride_hn=H, stride_hk=1,
               stride_wv=H, stride_wk=1, stride_dn=V, ignore_index=-100, z_loss=0.0, inv_temp=1.0),
          dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=64, HAS_BIAS=False, DOT_PRECISION="tf32", E_OFFSET=L.E_OFFSET,
               E_CLAMP=L.E_CLAMP), 4, 1)
@@ -152,7 +152,7 @@ def main() -> int:
     for tma in (False, True):
         bn, bv = rl._BLOCKS  # the shipped tiles
         comp(f"lce_exp_dlogits {bn}x{bv} w{warps} tma={int(tma)}", K.lce_exp_dlogits_kernel,
-             dict(d_ptr="bf16", out_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp32", ent_ptr="fp32",
+             dict(d_ptr="bf16", out_ptr="bf16", mt_ptr="fp32", labels_ptr="i64", lse_ptr="fp64", ent_ptr="fp32",
                   gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", logprob_ptr="fp32", N=512, V=V,
                   stride_dn=V, stride_on=V, stride_mt=1024, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
              dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False,

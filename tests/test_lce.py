@@ -1307,3 +1307,23 @@ def test_softcap_far_above_the_logits(mode, softcap, sft_path):
     want_dh, want_dw = torch.autograd.grad(want, (hd, wd))
     assert rel_err(loss, want) <= FP32_RTOL
     assert rel_err(dh, want_dh) <= FP32_RTOL and rel_err(dw, want_dw) <= FP32_RTOL
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path, reduction", [("4pass", "sum"), ("4pass", "none"), ("3pass", "sum"),
+                                             ("chunked", "mean")])
+def test_minus_inf_bias_columns(path, reduction, mode):
+    """Columns masked by a bias of -inf (vocabulary padding) have p = 0: the loss and every gradient stay finite,
+    those columns' gradients are exactly 0, and the rest match fp64 (the 4-pass backward once formed their
+    entries as 0 * -inf)."""
+    inp = make_inputs((12, 40, 16), bias=True)
+    inp.bias[-3:] = float("-inf")
+    inp.labels = torch.where(inp.labels == -100, -100, inp.labels % 37)  # no label in a masked column
+    ups = (torch.randn(12, device=DEVICE) if reduction == "none" else torch.tensor(1.0, device=DEVICE),)
+    outs, grads = run(call(lce.linear_cross_entropy, reduction=reduction, sft_path=path, tma=mode), inp, ups)
+    want, want_grads = run(call(ref.linear_cross_entropy, reduction=reduction), inp, ups, dtype=torch.float64)
+    assert torch.isfinite(outs[0]).all()
+    for what, got, ref_ in zip(("d_hidden", "d_weight", "d_bias"), grads, want_grads):
+        assert torch.isfinite(got).all(), what
+        assert_close(got, ref_, 1e-5, what)
+    assert (grads[2][-3:] == 0).all() and (grads[1][-3:] == 0).all()

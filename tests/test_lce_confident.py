@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICE
 from hopperkern import lce
 from hopperkern.lce import reference as ref
 from test_lce import MODES, call, make_inputs, rel_err, run, torch_lowp_cross_entropy
@@ -210,3 +211,35 @@ def test_confident_class_that_is_not_the_label(confident, grad_path, mode):
         e_k, e_t = rel_err(ours[i], want[i]), rel_err(base[i], want[i])
         assert e_t > bound, f"{what}: fp32 torch is {e_t:.2e} off, within the bound: the case tests nothing"
         assert e_k <= bound, f"{what}: rel err {e_k:.2e} > {bound:.0e} (fp32 torch: {e_t:.2e})"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grad_path", ["4pass", "3pass"])
+def test_unlikely_label_entry(grad_path, mode):
+    """The label's own d(logits) entry p (A + B log p) + C at an unlikely label (p ~ 1e-5 to 1e-4) under both
+    g_logprob and g_entropy: formed as (p - 1) X + (X + C) it would keep ~ulp(X) of p X, and with C taken as
+    (A + C) - A ~ulp(g_entropy entropy) of C; ``_label_entry`` takes p X + C with C from its own terms. The weight
+    is the identity, so d_hidden is d(logits) itself, checked entry by entry at the labels against fp64 (fp32
+    torch: ~2e-7 relative; the two forms above: 3e-3 and 7e-4)."""
+    N_, V_ = 16, 64
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    z = torch.randn(N_, V_, generator=g, device=DEVICE)
+    labels = torch.randint(0, V_, (N_,), generator=g, device=DEVICE)
+    rows = torch.arange(N_, device=DEVICE)
+    z[rows, labels] -= 6.0
+    weight = torch.eye(V_, device=DEVICE)
+    g_logprob = torch.full((N_,), 1e-4, device=DEVICE)
+    g_entropy = torch.ones(N_, device=DEVICE)
+
+    def grad(fn, dtype):
+        h = z.to(dtype).clone().requires_grad_()
+        lp, ent = fn(h, weight.to(dtype))
+        ((lp * g_logprob.to(dtype)).sum() + (ent * g_entropy.to(dtype)).sum()).backward()
+        return h.grad.double()[rows, labels]
+
+    want = grad(lambda h, w: _torch_logprobs_entropy(labels)(h, w), torch.float64)
+    base = grad(lambda h, w: _torch_logprobs_entropy(labels)(h, w), torch.float32)
+    got = grad(lambda h, w: lce.linear_logprobs_entropy(h, w, labels, tma=mode, grad_path=grad_path), torch.float32)
+    e_k = ((got - want).abs() / want.abs()).max().item()
+    e_t = ((base - want).abs() / want.abs()).max().item()
+    assert e_k <= max(2 * e_t, 1e-6), f"label entries: rel err {e_k:.2e} (fp32 torch: {e_t:.2e})"

@@ -451,8 +451,10 @@ def _loss_coefficients(gl, lse, label_smoothing, z_loss, V_total):
 def _dz(p, z, zc, a_t, b_t, d_t, softcap, inv_temp, SOFTCAP: tl.constexpr):
     """d loss / d raw logit, in fp32: p (A + B (z - lse)) / T + D / T, times (1 - tanh^2) with softcap. ``a_t``,
     ``b_t``, ``d_t`` are A / T, B / T and the constant term / T (broadcast to p's shape by the caller); z is the
-    final logit, so z T / softcap is the tanh, and zc = z - lse (log p)."""
-    dz = p * (a_t + b_t * zc) + d_t
+    final logit, so z T / softcap is the tanh, and zc = z - lse (log p). A logit of -inf (a -inf bias) has p = 0
+    and zc = -inf: zc is clamped to -2^14 beside B, so its term is 0, never 0 * inf (a NaN p, from a NaN LSE,
+    keeps its NaN); a clamp costs fewer registers than a select on p."""
+    dz = p * (a_t + b_t * tl.maximum(zc, -16384.0)) + d_t
     if SOFTCAP:
         th = z / (softcap * inv_temp)
         dz = dz * (1.0 - th * th)
@@ -463,27 +465,32 @@ def _dz(p, z, zc, a_t, b_t, d_t, softcap, inv_temp, SOFTCAP: tl.constexpr):
 def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr, ge_ptr, gz_ptr, ignore_index,
                       label_smoothing, z_loss, V_total, BLOCK_N: tl.constexpr, HAS_GL: tl.constexpr,
                       HAS_GP: tl.constexpr, HAS_GE: tl.constexpr, HAS_GZ: tl.constexpr):
-    """Per-token ``(labels, lse, lse_lo, A, B, A + C, D)`` of dz = p (A + B (z - lse)) + C [j == label] + D (see
+    """Per-token ``(labels, lse, lse_lo, A, B, A + C, C, D)`` of dz = p (A + B (z - lse)) + C [j == label] + D (see
     lce_dlogits_kernel), the LSE as :func:`_load_lse`'s pair (A takes its fp32 part). ``V_total`` is the size of the
     whole vocabulary, over which label smoothing spreads eps (a vocab shard's V is smaller). A + C, the label entry's
     constant beside (p - 1) (A + B log p), is formed from the terms that do not cancel (g_logprob and the loss
     gradient's 1 cancel exactly): as a + c in fp32 it would keep only ~1e-7 |g_logprob| of a confident prediction's
-    g_entropy entropy term (~1e-5 g_entropy here)."""
+    g_entropy entropy term (~1e-5 g_entropy here). C is formed from its own terms too, not as (A + C) - A, which would
+    keep ~ulp(g_entropy entropy) of it."""
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     kept = (labels != ignore_index).to(tl.float32)
     lse, lse_lo = _load_lse(lse_ptr, rows, row_ok)
     a = tl.zeros((BLOCK_N,), tl.float32)
     b = tl.zeros((BLOCK_N,), tl.float32)
     ac = tl.zeros((BLOCK_N,), tl.float32)
+    c = tl.zeros((BLOCK_N,), tl.float32)
     d = tl.zeros((BLOCK_N,), tl.float32)
     if HAS_GL:
         gl = tl.load(gl_ptr + rows, mask=row_ok, other=0.0) * kept
-        ga, _, gd = _loss_coefficients(gl, lse, label_smoothing, z_loss, V_total)
+        ga, gc, gd = _loss_coefficients(gl, lse, label_smoothing, z_loss, V_total)
         a += ga
         ac += gl * (label_smoothing + 2.0 * z_loss * lse)  # A + C = gl (1 + 2 z_loss lse) - gl (1 - eps)
+        c += gc
         d += gd
     if HAS_GP:
-        a -= tl.load(gp_ptr + rows, mask=row_ok, other=0.0) * kept  # C += g_logprob: nothing in A + C
+        gp = tl.load(gp_ptr + rows, mask=row_ok, other=0.0) * kept
+        a -= gp  # C += g_logprob: nothing in A + C
+        c += gp
     if HAS_GE:
         # g_entropy p (E - z) = g_entropy p (-entropy - (z - lse)): no term of the logits' size to cancel
         ge = tl.load(ge_ptr + rows, mask=row_ok, other=0.0)
@@ -495,7 +502,7 @@ def _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr
         gz = tl.load(gz_ptr + rows, mask=row_ok, other=0.0)
         a += gz
         ac += gz
-    return labels, lse, lse_lo, a, b, ac, d
+    return labels, lse, lse_lo, a, b, ac, c, d
 
 
 @triton.jit
@@ -550,9 +557,9 @@ def lce_dlogits_kernel(
         z = _logits_tile(h_src, w_src, b_ptr, row0, col0, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk,
                          softcap, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, HAS_BIAS, SOFTCAP, H_TMA, W_TMA,
                          DOT_PRECISION)
-        _, lse, lse_lo, a, b, _ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
-                                                         ge_ptr, gz_ptr, ignore_index, label_smoothing, z_loss,
-                                                         V_total, BLOCK_N, HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+        _, lse, lse_lo, a, b, _ac, _c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
+                                                             ge_ptr, gz_ptr, ignore_index, label_smoothing, z_loss,
+                                                             V_total, BLOCK_N, HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
         # Fold 1/temperature into the per-row coefficients (one multiply per row, not per element).
         zc = (z - lse[:, None]) - lse_lo[:, None]
         dz = _dz(tl.exp(zc), z, zc, (a * inv_temp)[:, None], (b * inv_temp)[:, None], (d * inv_temp)[:, None],
@@ -570,7 +577,7 @@ def _pm1(logp):
 
 
 @triton.jit
-def _label_entry(logp, a, b, ac):
+def _label_entry(logp, b, ac, c):
     """``(p', k)`` such that the label entry p (A + B log p) + C is p' (A + B log p) + k, from the label's fp32
     log-prob: for a likely label (p >= 1/2) p' = p - 1 (:func:`_pm1`) and k = A + C + B log p, which a confident
     prediction needs (for a plain loss gradient A + C = 0 exactly and the entry is (p - 1) A from p - 1 itself);
@@ -578,7 +585,7 @@ def _label_entry(logp, a, b, ac):
     leave ~ulp(X) of it (an entropy gradient at a label of p ~ 1e-4: 1e-3 of the entry)."""
     likely = logp >= -0.6931471805599453
     p = tl.where(likely, _pm1(logp), tl.exp(logp))
-    return p, tl.where(likely, ac + b * logp, ac - a)
+    return p, tl.where(likely, ac + b * logp, c)
 
 
 @triton.jit
@@ -609,7 +616,7 @@ def lce_onehot_kernel(
     """
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    labels, lse, _, a, b, ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
+    labels, lse, _, a, b, ac, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
                                                     ge_ptr, gz_ptr, ignore_index, label_smoothing, z_loss, V_total,
                                                     BLOCK_N, HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
     col = labels - col_begin
@@ -620,7 +627,7 @@ def lce_onehot_kernel(
     z = logp + lse
     # The tile kernel's expression (1/temperature folded into the coefficients) plus C, all in fp32, in the form
     # that keeps the entry's precision (_label_entry).
-    p, k = _label_entry(logp, a, b, ac)
+    p, k = _label_entry(logp, b, ac, c)
     dz = _dz(p, z, logp, a * inv_temp, b * inv_temp, (k + d) * inv_temp, softcap, inv_temp, SOFTCAP)
     tl.store(d_ptr + rows.to(tl.int64) * stride_dn + col, dz.to(d_ptr.dtype.element_ty), mask=here)
 
@@ -879,9 +886,9 @@ def lce_exp_dlogits_kernel(
     col0 = tl.program_id(1) * BLOCK_V
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    labels, lse, lse_lo, a, b, ac, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
-                                                         ge_ptr, gz_ptr, ignore_index, label_smoothing, z_loss, V,
-                                                         BLOCK_N, HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
+    labels, lse, lse_lo, a, b, ac, c, d = _row_coefficients(rows, row_ok, labels_ptr, lse_ptr, ent_ptr, gl_ptr, gp_ptr,
+                                                            ge_ptr, gz_ptr, ignore_index, label_smoothing, z_loss, V,
+                                                            BLOCK_N, HAS_GL, HAS_GP, HAS_GE, HAS_GZ)
     kept = row_ok & (labels != ignore_index)
     logp = tl.load(logprob_ptr + rows, mask=kept, other=0.0)
     mt = tl.load(mt_ptr + rows.to(tl.int64) * stride_mt + col0 // FWD_BLOCK_V, mask=row_ok, other=0.0)
@@ -890,7 +897,7 @@ def lce_exp_dlogits_kernel(
     e = load_2d(d_src, row0, col0, N, V, stride_dn, 1, BLOCK_N, BLOCK_V, D_TMA).to(tl.float32)
     at_label = kept[:, None] & ((col0 + tl.arange(0, BLOCK_V))[None, :] == labels[:, None])
     # At the label p coef + C = p' coef + k (_label_entry).
-    p_lab, k_lab = _label_entry(logp, a, b, ac)
+    p_lab, k_lab = _label_entry(logp, b, ac, c)
     p = tl.where(at_label, p_lab[:, None], e * tl.exp(mc)[:, None])
     coef = a[:, None]
     if HAS_GE:
