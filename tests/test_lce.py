@@ -1327,3 +1327,24 @@ def test_minus_inf_bias_columns(path, reduction, mode):
         assert torch.isfinite(got).all(), what
         assert_close(got, ref_, 1e-5, what)
     assert (grads[2][-3:] == 0).all() and (grads[1][-3:] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path, reduction", [("4pass", "none"), ("4pass", "sum"), ("3pass", "sum")])
+def test_label_at_a_minus_inf_column(path, reduction, mode):
+    """A kept label whose logit is -inf (a masked column) has p = 0: its loss is +inf, as PyTorch's (never NaN
+    from a 0 * -inf label-smoothing term), the other tokens' losses are finite, and every gradient is finite and
+    matches fp64 (d(logits) at that label is -1 times the token's upstream gradient)."""
+    inp = make_inputs((12, 40, 16), bias=True)
+    inp.bias[-3:] = float("-inf")
+    inp.labels = torch.where(inp.labels == -100, -100, inp.labels % 37)
+    inp.labels[2] = 39
+    ups = (torch.randn(12, device=DEVICE) if reduction == "none" else torch.tensor(1.0, device=DEVICE),)
+    outs, grads = run(call(lce.linear_cross_entropy, reduction=reduction, sft_path=path, tma=mode), inp, ups)
+    want, want_grads = run(call(ref.linear_cross_entropy, reduction=reduction), inp, ups, dtype=torch.float64)
+    loss = outs[0].reshape(-1)
+    assert torch.equal(torch.isinf(loss), torch.isinf(want[0].reshape(-1))) and (loss[torch.isinf(loss)] > 0).all()
+    assert_close(loss[torch.isfinite(loss)], want[0].reshape(-1)[torch.isfinite(loss)], 1e-5, "loss")
+    for what, got, ref_ in zip(("d_hidden", "d_weight", "d_bias"), grads, want_grads):
+        assert torch.isfinite(got).all(), what
+        assert_close(got, ref_, 1e-5, what)

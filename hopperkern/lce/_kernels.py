@@ -408,8 +408,9 @@ def lce_combine_kernel(
     lse = lse64.to(tl.float32)
     lp_all = tl.minimum(dl - log_s, 0.0).to(tl.float32)
     lp = tl.where(kept, lp_all, 0.0)
-    # lse - (1 - eps) z_label = -log p + eps z_label
-    loss = -lp_all + label_smoothing * zlab + z_loss * lse * lse
+    # lse - (1 - eps) z_label = -log p + eps z_label (no eps term without smoothing: a label at a -inf logit, say a
+    # masked column, has loss +inf, not -log p + 0 * -inf)
+    loss = -lp_all + tl.where(label_smoothing != 0.0, label_smoothing * zlab, 0.0) + z_loss * lse * lse
     if NEED_SUMZ:
         loss -= label_smoothing / V * sz_tot
     loss = tl.where(kept, loss, 0.0)
