@@ -23,12 +23,13 @@ def main() -> int:
 
     failed = 0
 
-    def comp(name, fn, vals, const, warps, stages):
+    def comp(name, fn, vals, const, warps, stages, maxnreg=None):
         nonlocal failed
         sig, const, attrs = _signature(fn, vals, const)
+        extra = {} if maxnreg is None else {"maxnreg": maxnreg}  # as the launch passes it
         try:
             k = triton.compile(triton.compiler.ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=warps, num_stages=stages))
+                               options=dict(num_warps=warps, num_stages=stages, **extra))
             regs, spills = _ptxas_stats(k.asm["ptx"])
             print(f"ok   {name}: regs {regs} spills {spills} smem {k.metadata.shared // 1024}K")
         except Exception as exc:  # noqa: BLE001 - report every failure, keep going
@@ -156,7 +157,7 @@ def main() -> int:
                   gl_ptr="fp32", gp_ptr="fp32", ge_ptr="fp32", gz_ptr="fp32", logprob_ptr="fp32", N=512, V=V,
                   stride_dn=V, stride_on=V, stride_mt=1024, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, inv_temp=1.0),
              dict(BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=256, HAS_GL=False, HAS_GP=True, HAS_GE=True, HAS_GZ=False,
-                  D_TMA=tma, APPROX_MATH=True), warps, 1)
+                  D_TMA=tma, APPROX_MATH=True), warps, 1, maxnreg=rl._EXP_MAXNREG)
     # lce_dweight_kernel in its shipped launch shapes (sft.DW_TILES*: the 3-pass path; sft.DW_SPLIT_TILES*: the
     # chunked variant's split launches, SPLIT 1 storing a chunk's product and 2 adding it to the sum) and the
     # one-program-a-tile, whole-epilogue shapes beside them (the split epilogue's spills at 128 x 256).

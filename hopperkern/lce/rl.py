@@ -82,6 +82,9 @@ _RL_OP = "lce.rl_dlogits"  # the in-place d(logits) launch's name in tma.last_de
 # The in-place pass's tiles: as the SFT fix-up's (same bytes per logit), measured there on the H200.
 _BLOCKS, _BLOCKS_INTERPRETED = (32, 128), (16, 32)
 _EXP_POINTER = "tma='auto': pointer loads are faster for the in-place d(logits) pass (measured on the H200)"
+# Registers per thread of that pass (ptxas' .maxnreg): 64 keeps four 256-thread programs per SM; without the cap
+# ptxas takes 72 to 80 (three programs) for the same code, and spills nothing at 64 (sm_90, both memory paths).
+_EXP_MAXNREG = 64
 
 
 def check_grad_path(grad_path, dtype: torch.dtype, *, sharded: bool = False) -> None:
@@ -279,7 +282,7 @@ def _exp_dlogits_launch(tensors, N: int, V: int, flags: tuple, opts: LceOptions)
                     mt.stride(0), opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), opts.inv_temp,
                     BLOCK_N=bn, BLOCK_V=bv, FWD_BLOCK_V=fwd_bv,
                     **dict(zip(("HAS_GL", "HAS_GP", "HAS_GE", "HAS_GZ"), flags)), D_TMA=d["dlogits"],
-                    APPROX_MATH=_tma.ptx_approx_math(), num_warps=_sft.DLOGITS_WARPS)
+                    APPROX_MATH=_tma.ptx_approx_math(), num_warps=_sft.DLOGITS_WARPS, maxnreg=_EXP_MAXNREG)
     return launch, d
 
 
