@@ -238,9 +238,9 @@ class _VocabParallelLce(torch.autograd.Function):
 def vocab_parallel_forward(group, hidden2d, weight, labels1d, bias, ignore_index, label_smoothing, z_loss, softcap,
                            temperature, tma, need_entropy, check, grad):
     """Per-token ``(loss, logprob, entropy, lse)`` ([N], fp32 but the fp64 LSE, the same on every rank) of one rank's
-    vocab shard;
-    the arguments of :func:`hopperkern.lce.ops.lce_forward_impl` after ``group``, inputs validated. ``grad``: autograd
-    records the call (the label's logit then comes from the forward's tiles, as in the unsharded op)."""
+    vocab shard; the arguments of :func:`hopperkern.lce.ops.lce_forward_impl` after ``group``, inputs validated.
+    ``grad``: autograd records the call (the label's logit then comes from the forward's tiles, as in the unsharded
+    op)."""
     opts = LceOptions(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing), z_loss=float(z_loss),
                       softcap=float(softcap), temperature=float(temperature), tma=str(tma))
     with launch_context(hidden2d, "hopperkern.lce"):  # raises on every rank alike, before any collective

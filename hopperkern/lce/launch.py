@@ -493,9 +493,8 @@ def _outputs(N: int, dev, shared: bool):
         pitch = round_up(N, PIECE_ALIGN // 4)
         buf = torch.empty(5 * pitch, dtype=torch.float32, device=dev)  # the LSE takes the last two rows' bytes
         return (*buf[:3 * pitch].view(3, pitch)[:, :N].unbind(0), buf[3 * pitch:].view(torch.float64)[:N])
-    f32 = dict(dtype=torch.float32, device=dev)
-    return torch.empty(N, **f32), torch.empty(N, **f32), torch.empty(N, **f32), torch.empty(N, dtype=torch.float64,
-                                                                                          device=dev)
+    loss, logprob, entropy = (torch.empty(N, dtype=torch.float32, device=dev) for _ in range(3))
+    return loss, logprob, entropy, torch.empty(N, dtype=torch.float64, device=dev)
 
 
 def _store_args(z_out, e_out):
