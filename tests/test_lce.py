@@ -1215,6 +1215,25 @@ def _tiny_backward():
     return call, lp
 
 
+def test_backward_takes_an_fp32_lse_and_checks_it():
+    """lce_backward takes the forward's fp64 LSE or an fp32 one (rounded: ~ulp(lse) off in every log-prob, so the
+    gradients agree to ~1e-6 here) through plans of their own, and refuses another dtype or shape before any
+    launch."""
+    inp = make_inputs((5, 20, 16))
+    opts = launch.LceOptions(tma="never")
+    _, lp, ent, lse = launch.lce_forward(inp.hidden, inp.weight, inp.labels, None, opts)
+    assert lse.dtype == torch.float64 and lp.dtype == ent.dtype == torch.float32
+    grads = (upstream((5,)), None, upstream((5,), seed=2), None)
+    d64 = launch.lce_backward(inp.hidden, inp.weight, inp.labels, None, lse, ent, *grads, opts, logprob=lp)
+    d32 = launch.lce_backward(inp.hidden, inp.weight, inp.labels, None, lse.float(), ent, *grads, opts, logprob=lp)
+    for a, b in zip(d64[:2], d32[:2]):
+        assert_close(b, a, 1e-5, "fp32 LSE")
+    with pytest.raises(TypeError, match="lse must be"):
+        launch.lce_backward(inp.hidden, inp.weight, inp.labels, None, lse.half(), ent, *grads, opts, logprob=lp)
+    with pytest.raises(ValueError, match=re.escape("lse must be a contiguous (5,) tensor")):
+        launch.lce_backward(inp.hidden, inp.weight, inp.labels, None, lse[:4], ent, *grads, opts, logprob=lp)
+
+
 LOGPROB_ERRORS = [
     pytest.param("g_loss", lambda lp: None, ValueError, "logprob must be given when g_loss or g_logprob is",
                  id="missing, g_loss"),

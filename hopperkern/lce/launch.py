@@ -672,6 +672,16 @@ def _check_logprob(logprob, N: int) -> None:
                          f"{tuple(logprob.shape)} and strides {tuple(logprob.stride())}")
 
 
+def _check_lse(lse, N: int) -> None:
+    if (type(lse) is torch.Tensor and lse.dtype == torch.float64 and lse.shape == (N,)
+            and (N <= 1 or lse.stride(0) == 1)):
+        return  # the forward's own output (the common case): nothing else to look at
+    check_dtype("lse", lse, (torch.float64, torch.float32))
+    if tuple(lse.shape) != (N,) or (N > 1 and lse.stride(0) != 1):
+        raise ValueError(f"lse must be a contiguous ({N},) tensor (one per token), got shape {tuple(lse.shape)} and "
+                         f"strides {tuple(lse.stride())}")
+
+
 def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
                  opts: LceOptions, *, logprob=None, zlab=None, need_weight_grad: bool = True,
                  need_hidden_grad: bool = True, config: KernelConfig | None = None, vocab_total: int | None = None,
@@ -716,6 +726,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
+    _check_lse(lse, N)
     label_term = g_loss is not None or g_logprob is not None
     if label_term:
         _check_logprob(logprob, N)
