@@ -1349,21 +1349,39 @@ def test_minus_inf_bias_columns(path, reduction, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("path, reduction", [("4pass", "none"), ("4pass", "sum"), ("3pass", "sum")])
-def test_label_at_a_minus_inf_column(path, reduction, mode):
+def test_label_at_a_minus_inf_column(path, reduction, smoothing, mode):
     """A kept label whose logit is -inf (a masked column) has p = 0: its loss is +inf, as PyTorch's (never NaN
-    from a 0 * -inf label-smoothing term), the other tokens' losses are finite, and every gradient is finite and
-    matches fp64 (d(logits) at that label is -1 times the token's upstream gradient)."""
+    from inf - inf between the log-prob and the label-smoothing terms); with smoothing every token's loss is +inf
+    (the mean of its log-probs is -inf), else the other tokens' losses are finite; every gradient is finite and
+    matches fp64 (d(logits) at that label is -(1 - eps) times the token's upstream gradient)."""
     inp = make_inputs((12, 40, 16), bias=True)
     inp.bias[-3:] = float("-inf")
     inp.labels = torch.where(inp.labels == -100, -100, inp.labels % 37)
     inp.labels[2] = 39
     ups = (torch.randn(12, device=DEVICE) if reduction == "none" else torch.tensor(1.0, device=DEVICE),)
-    outs, grads = run(call(lce.linear_cross_entropy, reduction=reduction, sft_path=path, tma=mode), inp, ups)
-    want, want_grads = run(call(ref.linear_cross_entropy, reduction=reduction), inp, ups, dtype=torch.float64)
+    kw = dict(reduction=reduction, label_smoothing=smoothing)
+    outs, grads = run(call(lce.linear_cross_entropy, sft_path=path, tma=mode, **kw), inp, ups)
+    want, want_grads = run(call(ref.linear_cross_entropy, **kw), inp, ups, dtype=torch.float64)
     loss = outs[0].reshape(-1)
     assert torch.equal(torch.isinf(loss), torch.isinf(want[0].reshape(-1))) and (loss[torch.isinf(loss)] > 0).all()
     assert_close(loss[torch.isfinite(loss)], want[0].reshape(-1)[torch.isfinite(loss)], 1e-5, "loss")
     for what, got, ref_ in zip(("d_hidden", "d_weight", "d_bias"), grads, want_grads):
         assert torch.isfinite(got).all(), what
+        assert_close(got, ref_, 1e-5, what)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path", ["4pass", "3pass", "chunked"])
+def test_single_column_vocabulary_with_z_loss(path, mode):
+    """V = 1: p = 1 for every token and the loss is z_loss * z^2 alone, so the label entry of d(logits) is all of
+    a - 1 = 2 z_loss lse, formed from its terms (as 1 - 1 / a in fp32 it kept ~ulp(1) of it: 6e-3 off here)."""
+    inp = make_inputs((9, 1, 16))
+    ups = (torch.tensor(1.0, device=DEVICE),)
+    kw = dict(reduction="sum", z_loss=1e-4)
+    outs, grads = run(call(lce.linear_cross_entropy, sft_path=path, tma=mode, **kw), inp, ups)
+    want, want_grads = run(call(ref.linear_cross_entropy, **kw), inp, ups, dtype=torch.float64)
+    assert_close(outs[0], want[0], 1e-6, "loss")
+    for what, got, ref_ in zip(("d_hidden", "d_weight"), grads, want_grads):
         assert_close(got, ref_, 1e-5, what)

@@ -408,11 +408,11 @@ def lce_combine_kernel(
     lse = lse64.to(tl.float32)
     lp_all = tl.minimum(dl - log_s, 0.0).to(tl.float32)
     lp = tl.where(kept, lp_all, 0.0)
-    # lse - (1 - eps) z_label = -log p + eps z_label (no eps term without smoothing: a label at a -inf logit, say a
-    # masked column, has loss +inf, not -log p + 0 * -inf)
-    loss = -lp_all + tl.where(label_smoothing != 0.0, label_smoothing * zlab, 0.0) + z_loss * lse * lse
+    # lse - (1 - eps) z_label - eps / V sum(z) = -(1 - eps) log p + eps (lse - sum(z) / V): two terms that are
+    # +inf, never inf - inf, where a logit is -inf (a masked column; the label's, or any under smoothing)
+    loss = -(1.0 - label_smoothing) * lp_all + z_loss * lse * lse
     if NEED_SUMZ:
-        loss -= label_smoothing / V * sz_tot
+        loss += label_smoothing * (lse - sz_tot / V)
     loss = tl.where(kept, loss, 0.0)
     # A bad label poisons every output of its token, the LSE included, so a backward that reads it makes the
     # token's gradients NaN too (never a finite, plausible-looking wrong number).
@@ -748,12 +748,14 @@ def lce_sft_rowscale_kernel(
     here = kept & (~flagged) & (labels >= 0) & (labels < V)
     pm1 = _pm1(tl.load(logprob_ptr + rows, mask=here, other=0.0))
     if SPLIT_LABEL:
-        # a p - 1 = a (p - 1) + (a - 1): p - 1 of a confident prediction keeps its precision.
-        lab = tl.where(here, g * inv_temp * (a * pm1 + (a - 1.0)), 0.0)
+        # a p - 1 = a (p - 1) + (a - 1): p - 1 of a confident prediction keeps its precision, and so does a - 1 =
+        # 2 z_loss lse, formed from its terms (a - 1 would keep ~ulp(1) of a small z-loss term).
+        lab = tl.where(here, g * inv_temp * (a * pm1 + 2.0 * z_loss * lse), 0.0)
         tl.store(lab_ptr + rows, lab, mask=row_ok)
         entry = tl.zeros((BLOCK,), tl.float32)
     else:
-        entry = (pm1 + (1.0 - 1.0 / tl.where(here, a, 1.0))) * tl.exp(tl.where(here, (lse - c) + lse_lo, 0.0))
+        # p - 1 / a = (p - 1) + (a - 1) / a, a - 1 = 2 z_loss lse from its terms (as above)
+        entry = (pm1 + 2.0 * z_loss * lse / tl.where(here, a, 1.0)) * tl.exp(tl.where(here, (lse - c) + lse_lo, 0.0))
     tl.store(e_ptr + rows.to(tl.int64) * stride_en + labels, entry.to(e_ptr.dtype.element_ty), mask=here)
 
 

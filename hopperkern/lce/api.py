@@ -226,7 +226,8 @@ def linear_logprobs_entropy(hidden, weight, labels, *, temperature=1.0, ignore_i
     no-grad call takes it from a cheaper dot product: its log-probs agree with a differentiable call's to fp32
     rounding (~1e-6), not bit for bit. Its entropies, whose sums then keep the label's term, are within ~1e-7 of
     the exact ones, absolute: relative to a tiny entropy (a confident prediction, 1 - p ~ 1e-7) a few per cent,
-    where the differentiable call's fp64 combine stays exact.
+    as fp32 PyTorch's; the differentiable call's fp64 combine keeps the entropy of a prediction confident on its
+    label exact (the label's term is added in fp64), and of one confident on another class as the no-grad call.
 
     ``check_labels``: as for :func:`linear_cross_entropy`; by default ("auto") no host sync on a GPU, and a kept
     label outside [0, V) gives its token NaN log-prob and entropy (and NaN gradients).
