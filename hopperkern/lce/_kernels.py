@@ -411,8 +411,8 @@ def lce_combine_kernel(
     # lse - (1 - eps) z_label - eps / V sum(z) = -(1 - eps) log p + eps (lse - sum(z) / V): two terms that are
     # +inf, never inf - inf, where a logit is -inf (a masked column; the label's, or any under smoothing)
     loss = -(1.0 - label_smoothing) * lp_all + z_loss * lse * lse
-    if NEED_SUMZ:
-        loss += label_smoothing * (lse - sz_tot / V)
+    if NEED_SUMZ:  # against the fp64 LSE, as the label's term -(1 - eps) log p (no rounding of the LSE in it)
+        loss += label_smoothing * (lse64 - sz_tot.to(tl.float64) / V).to(tl.float32)
     loss = tl.where(kept, loss, 0.0)
     # A bad label poisons every output of its token, the LSE included, so a backward that reads it makes the
     # token's gradients NaN too (never a finite, plausible-looking wrong number).
@@ -585,8 +585,8 @@ def _label_entry(logp, b, ac, c):
     for an unlikely one p' = p and k = C, which keeps p (A + B log p) to its own precision where (p - 1) X + X would
     leave ~ulp(X) of it (an entropy gradient at a label of p ~ 1e-4: 1e-3 of the entry)."""
     likely = logp >= -0.6931471805599453
-    p = tl.where(likely, _pm1(logp), tl.exp(logp))
-    return p, tl.where(likely, ac + b * logp, c)
+    e = tl.exp(logp.to(tl.float64))  # one exponential for both forms (as _pm1's, rounded once)
+    return tl.where(likely, e - 1.0, e).to(tl.float32), tl.where(likely, ac + b * logp, c)
 
 
 @triton.jit

@@ -659,27 +659,22 @@ def _acc_mm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: int =
         acc.addmm_(a.float(), b.float(), beta=beta)
 
 
+def _check_token_vector(name: str, t, N: int, dtypes: tuple) -> None:
+    """TypeError / ValueError unless ``t`` is a contiguous (N,) tensor of one of ``dtypes`` (the first: the
+    forward's own, checked first and alone in the common case)."""
+    if type(t) is torch.Tensor and t.dtype == dtypes[0] and t.shape == (N,) and (N <= 1 or t.stride(0) == 1):
+        return
+    check_dtype(name, t, dtypes)
+    if tuple(t.shape) != (N,) or (N > 1 and t.stride(0) != 1):
+        raise ValueError(f"{name} must be a contiguous ({N},) tensor (one per token), got shape {tuple(t.shape)} "
+                         f"and strides {tuple(t.stride())}")
+
+
 def _check_logprob(logprob, N: int) -> None:
-    if (type(logprob) is torch.Tensor and logprob.dtype == torch.float32 and logprob.shape == (N,)
-            and (N <= 1 or logprob.stride(0) == 1)):
-        return  # the forward's own output (the common case): nothing else to look at
     if logprob is None:
         raise ValueError("logprob must be given when g_loss or g_logprob is (the forward's fp32 log-prob: the "
                          "label column of d(logits) is formed from it), got None")
-    check_dtype("logprob", logprob, (torch.float32,))
-    if tuple(logprob.shape) != (N,) or (N > 1 and logprob.stride(0) != 1):
-        raise ValueError(f"logprob must be a contiguous ({N},) tensor (one per token), got shape "
-                         f"{tuple(logprob.shape)} and strides {tuple(logprob.stride())}")
-
-
-def _check_lse(lse, N: int) -> None:
-    if (type(lse) is torch.Tensor and lse.dtype == torch.float64 and lse.shape == (N,)
-            and (N <= 1 or lse.stride(0) == 1)):
-        return  # the forward's own output (the common case): nothing else to look at
-    check_dtype("lse", lse, (torch.float64, torch.float32))
-    if tuple(lse.shape) != (N,) or (N > 1 and lse.stride(0) != 1):
-        raise ValueError(f"lse must be a contiguous ({N},) tensor (one per token), got shape {tuple(lse.shape)} and "
-                         f"strides {tuple(lse.stride())}")
+    _check_token_vector("logprob", logprob, N, (torch.float32,))
 
 
 def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logprob, g_entropy, g_lse,
@@ -726,7 +721,7 @@ def lce_backward(hidden2d, weight, labels1d, bias, lse, entropy, g_loss, g_logpr
     N, H = hidden2d.shape
     V = weight.shape[0]
     dev, dt = hidden2d.device, hidden2d.dtype
-    _check_lse(lse, N)
+    _check_token_vector("lse", lse, N, (torch.float64, torch.float32))
     label_term = g_loss is not None or g_logprob is not None
     if label_term:
         _check_logprob(logprob, N)
